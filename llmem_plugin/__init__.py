@@ -1,0 +1,24 @@
+"""llmem_plugin: the peak GPU memory of a fine-tuning step, before it runs."""
+
+from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError
+from llmem_plugin.estimate import Estimate, estimate
+from llmem_plugin.tracker import MemoryCategory, Phase
+from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
+
+__all__ = [
+    "estimate",
+    "Estimate",
+    "Workload",
+    "LoraSpec",
+    "Precision",
+    "OptimizerKind",
+    "AttentionImpl",
+    "MemoryCategory",
+    "Phase",
+    "LLMemError",
+    "ConfigError",
+    "UnsupportedError",
+    "TraceError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,111 @@
+"""Make a CPU trace allocate what the same step allocates on a CUDA GPU.
+
+The trace runs on (fake) CPU tensors because fake CUDA tensors abort autograd
+on CPU-only torch builds (shared FACTS). Wherever the CPU and CUDA code paths
+allocate differently, :func:`cuda_emulation` switches the CPU path to the CUDA
+behaviour for the duration of the trace:
+
+* autocast follows the CUDA op policy (:mod:`.autocast`);
+* ``scaled_dot_product_attention`` selects a CUDA backend and allocates what
+  that kernel allocates (:mod:`.sdpa`);
+* dropout uses the fused kernel CUDA uses (:func:`_cuda_dropout`);
+* transformers builds the same causal mask (none) it builds in a real run
+  (:func:`_real_run_masking`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cuda_emulation", "DEFAULT_COMPUTE_CAPABILITY"]
+
+# The default GPU generation that decides CUDA kernel choices (SDPA backends):
+# sm90, Hopper (H100/H200), the GPUs this project's ground truth runs on.
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)
+
+
+@contextlib.contextmanager
+def cuda_emulation(
+    *, autocast_dtype: torch.dtype | None, compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
+) -> Iterator[None]:
+    """Emulate CUDA's allocation behaviour on CPU for the duration of the block.
+
+    Args:
+        autocast_dtype: The autocast dtype of mixed precision, or None for none.
+        compute_capability: GPU generation whose kernel choices to follow.
+    """
+    from llmem_plugin.emulation.autocast import cuda_autocast
+    from llmem_plugin.emulation.sdpa import patch_sdpa
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_real_run_masking())
+        stack.enter_context(_cuda_dropout())
+        stack.enter_context(patch_sdpa(compute_capability=compute_capability))
+        if autocast_dtype is not None:
+            stack.enter_context(cuda_autocast(autocast_dtype))
+        yield
+
+
+@contextlib.contextmanager
+def _real_run_masking() -> Iterator[None]:
+    """Make transformers' mask builders treat fake tensors as ordinary tensors.
+
+    ``transformers.masking_utils`` calls ``is_tracing(tensor)``, which is true
+    for FakeTensors, and then materialises an explicit boolean causal mask
+    instead of letting SDPA use ``is_causal=True`` as a real run does (shared
+    FACTS: +0.5 MB on a tiny model, and a different SDPA kernel). The trace
+    passes no padding mask, so no value of a fake tensor is ever read.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a core dependency
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    original = masking_utils.is_tracing
+
+    def is_tracing(tensor=None) -> bool:
+        return original(None if tensor is not None and is_fake(tensor) else tensor)
+
+    def find_packed_sequence_indices(position_ids):
+        # The traced batch is unpacked (one sequence per row, positions
+        # 0..s-1), for which a real run returns None after reading the values.
+        return None
+
+    original_packed = masking_utils.find_packed_sequence_indices
+    masking_utils.is_tracing = is_tracing
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
+        masking_utils.find_packed_sequence_indices = original_packed
+
+
+@contextlib.contextmanager
+def _cuda_dropout() -> Iterator[None]:
+    """Route training-mode dropout through ``native_dropout`` as CUDA does.
+
+    aten/src/ATen/native/Dropout.cpp: ``dropout`` takes the fused
+    ``native_dropout`` kernel when ``is_fused_kernel_acceptable`` (CUDA/XPU
+    tensor, 0 < p < 1, numel > 0); it returns the output and a *bool* mask,
+    which autograd saves. On CPU the fallback ``_dropout_impl`` saves a noise
+    tensor of the input's dtype instead (4x the bytes in fp32).
+    """
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0.0 < p < 1.0 and input.numel() > 0 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original

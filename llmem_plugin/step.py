@@ -1,0 +1,131 @@
+"""Run one complete training step under the tracker, on fake or real tensors.
+
+The step is the plain PyTorch loop every trainer runs: for each micro-batch a
+forward with labels (the model computes its own loss), ``backward``; then
+``optimizer.step()`` and ``zero_grad(set_to_none=True)``. It runs twice:
+optimizer states are created lazily by the first ``step()``, and the steady
+state (states alive during forward and backward) shows in the second
+(shared FACTS, "Two iterations").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, cuda_emulation
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
+from llmem_plugin.workload import OptimizerKind, Workload
+
+__all__ = ["make_optimizer", "trace_step", "NUM_ITERATIONS"]
+
+NUM_ITERATIONS = 2
+
+# Learning rate and weight decay do not change memory; these are HF Trainer's
+# defaults (TrainingArguments.learning_rate=5e-5), with AdamW's own decay.
+_LR = 5e-5
+
+
+def make_optimizer(params: Iterable[nn.Parameter], kind: OptimizerKind) -> torch.optim.Optimizer:
+    """The optimizer a CUDA run builds for ``kind``, with its CUDA implementation.
+
+    On CUDA, ``torch.optim._default_to_fused_or_foreach`` picks foreach for
+    AdamW, SGD and Adafactor when every tensor is on CUDA; on CPU it would pick
+    the per-tensor loop, which allocates differently, so foreach is explicit.
+    """
+    params = list(params)
+    if kind is OptimizerKind.ADAMW:
+        return torch.optim.AdamW(params, lr=_LR, foreach=True)
+    if kind is OptimizerKind.ADAMW_FUSED:
+        return torch.optim.AdamW(params, lr=_LR, fused=True)
+    if kind is OptimizerKind.SGD:
+        # momentum 0.9: the usual fine-tuning setting; momentum=0 keeps no state.
+        return torch.optim.SGD(params, lr=_LR, momentum=0.9, foreach=True)
+    if kind is OptimizerKind.ADAFACTOR:
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+    raise AssertionError(kind)
+
+
+def _host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Optimizer state tensors that a CUDA run keeps on the host.
+
+    torch/optim/adam.py (2.13, "special device hosting for step"): AdamW puts
+    ``state['step']`` on the CPU unless ``fused`` or ``capturable``;
+    torch/optim/_adafactor.py creates ``step`` with no device (so on the CPU).
+    SGD keeps no step.
+    """
+    out = []
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and not on_device:
+                out.append(step)
+    return out
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def trace_step(
+    model: nn.Module,
+    workload: Workload,
+    *,
+    vocab_size: int,
+    fake_mode=None,
+    compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+) -> TraceResult:
+    """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
+
+    Args:
+        model: A model on fake CPU tensors (when ``fake_mode`` is given) or
+            real CPU tensors, already in its workload precision.
+        workload: The step to run.
+        vocab_size: Token ids are drawn below this.
+        fake_mode: The ``FakeTensorMode`` the model's tensors belong to, or
+            None for a real run.
+        compute_capability: GPU generation whose kernel choices to emulate.
+
+    Returns:
+        The replayed trace.
+    """
+    tracker = MemoryTracker()
+    tracker.watch_modules(model)
+    mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    b, s = workload.micro_batch_size, workload.seq_len
+    params = [p for p in model.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = make_optimizer(trainable, workload.optimizer)
+    with mode_ctx, tracker:
+        tracker.register(params, MemoryCategory.PARAMETER)
+        tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+        with cuda_emulation(autocast_dtype=workload.precision.autocast_dtype, compute_capability=compute_capability):
+            for _ in range(NUM_ITERATIONS):
+                for _ in range(workload.grad_accum_steps):
+                    tracker.set_phase(Phase.SETUP)
+                    gen = torch.Generator().manual_seed(0) if fake_mode is None else None
+                    input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
+                    labels = input_ids.clone()
+                    tracker.register([input_ids, labels], MemoryCategory.INPUT)
+                    tracker.set_phase(Phase.FORWARD)
+                    start = tracker.num_records
+                    out = model(input_ids=input_ids, labels=labels, use_cache=False)
+                    loss = out.loss / workload.grad_accum_steps
+                    del out
+                    # What the forward leaves alive is what backward needs.
+                    tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
+                    tracker.set_phase(Phase.BACKWARD)
+                    loss.backward()
+                    del loss, input_ids, labels
+                    tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
+                tracker.set_phase(Phase.OPTIMIZER)
+                optimizer.step()
+                tracker.label(_state_tensors(optimizer), MemoryCategory.OPTIMIZER_STATE)
+                tracker.label(_host_resident_state(optimizer), MemoryCategory.HOST)
+                optimizer.zero_grad(set_to_none=True)
+        tracker.set_phase(Phase.SETUP)
+    return tracker.result()

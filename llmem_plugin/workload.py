@@ -1,0 +1,145 @@
+"""The fine-tuning workload to estimate: frozen, keyword-only, self-validating."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from llmem_plugin.errors import ConfigError
+
+__all__ = ["Precision", "OptimizerKind", "AttentionImpl", "LoraSpec", "Workload"]
+
+
+def _choice(enum_cls: type[Enum], value: object, what: str, flag: str) -> Enum:
+    if isinstance(value, enum_cls):
+        return value
+    valid = [m.value for m in enum_cls]
+    key = str(value).strip().lower()
+    for m in enum_cls:
+        if key == m.value:
+            return m
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(
+        f"unsupported {what} '{value}'; {hint}valid: {', '.join(valid)}. HINT: pass {flag} with one of them"
+    )
+
+
+class Precision(str, Enum):
+    """Numeric precision of the training step."""
+
+    FP32 = "fp32"
+    BF16_MIXED = "bf16-mixed"  # fp32 weights, torch.autocast(bfloat16)
+    FP16_MIXED = "fp16-mixed"  # fp32 weights, torch.autocast(float16)
+    BF16 = "bf16"  # weights, gradients and optimizer states in bfloat16
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self is Precision.BF16 else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(self)
+
+
+class OptimizerKind(str, Enum):
+    """Optimizer, with the implementation a CUDA run picks."""
+
+    ADAMW = "adamw"  # torch.optim.AdamW, foreach=True (the CUDA default)
+    ADAMW_FUSED = "adamw-fused"  # torch.optim.AdamW(fused=True)
+    SGD = "sgd"  # torch.optim.SGD(momentum=0.9), foreach
+    ADAFACTOR = "adafactor"  # torch.optim.Adafactor, foreach
+
+
+class AttentionImpl(str, Enum):
+    """transformers ``attn_implementation``."""
+
+    SDPA = "sdpa"
+    EAGER = "eager"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """peft LoRA settings.
+
+    Attributes:
+        rank: LoRA rank ``r``.
+        alpha: ``lora_alpha``; defaults to ``2 * rank`` when None.
+        target_modules: Module name suffixes to adapt, or ``("all-linear",)``.
+        dropout: ``lora_dropout``.
+    """
+
+    rank: int = 16
+    alpha: float | None = None
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}. HINT: e.g. --lora-rank 16")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ConfigError("LoRA target modules are empty. HINT: e.g. --lora-targets q_proj,v_proj")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(2 * self.rank if self.alpha is None else self.alpha)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One training configuration on one device.
+
+    Attributes:
+        seq_len: Tokens per sequence.
+        micro_batch_size: Sequences per forward/backward.
+        grad_accum_steps: Micro-batches whose gradients accumulate before a step.
+        precision: See :class:`Precision`.
+        optimizer: See :class:`OptimizerKind`.
+        grad_checkpointing: transformers' non-reentrant gradient checkpointing.
+        lora: LoRA settings, or None for full fine-tuning.
+        attn_implementation: See :class:`AttentionImpl`.
+    """
+
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    grad_checkpointing: bool = False
+    lora: LoraSpec | None = None
+    attn_implementation: AttentionImpl = AttentionImpl.SDPA
+
+    def __post_init__(self) -> None:
+        for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
+                           ("grad_accum_steps", "--grad-accum")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}. HINT: pass {flag} N with N >= 1")
+        object.__setattr__(self, "precision", _choice(Precision, self.precision, "precision", "--precision"))
+        object.__setattr__(self, "optimizer", _choice(OptimizerKind, self.optimizer, "optimizer", "--optimizer"))
+        object.__setattr__(
+            self, "attn_implementation", _choice(AttentionImpl, self.attn_implementation, "attention", "--attn")
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "seq_len": self.seq_len,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "precision": self.precision.value,
+            "optimizer": self.optimizer.value,
+            "grad_checkpointing": self.grad_checkpointing,
+            "lora": None if self.lora is None else {
+                "rank": self.lora.rank,
+                "alpha": self.lora.lora_alpha,
+                "target_modules": list(self.lora.target_modules),
+                "dropout": self.lora.dropout,
+            },
+            "attn_implementation": self.attn_implementation.value,
+        }
