@@ -129,6 +129,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise ConfigError(f"cannot build a causal LM from this config: {msg}") from None
+    _check_moe_dtype(model, workload)
     model.train()
     if workload.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -139,6 +140,24 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     if workload.lora is not None:
         model = _apply_lora(model, workload.lora)
     return model
+
+
+def _check_moe_dtype(model: nn.Module, workload: Workload) -> None:
+    """Refuse MoE experts that a CUDA run would reject.
+
+    transformers (integrations/moe.py) runs experts through
+    ``torch.nn.functional.grouped_mm`` on CUDA, cast to the expert weights'
+    dtype, and the CUDA kernel accepts bf16 only (torch/_meta_registrations.py
+    mirrors the checks of ``_grouped_mm_cuda`` in aten/src/ATen/native/cuda/Blas.cpp).
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_experts_implementation", None)
+    has_experts = any(type(m).__name__.endswith("Experts") for m in model.modules())
+    if has_experts and impl == "grouped_mm" and workload.precision.param_dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{type(model).__name__} runs its experts with grouped_mm, which on CUDA takes bf16 weights only, "
+            f"not {workload.precision.value}. HINT: pass --precision bf16"
+        )
 
 
 def _structure_copy(module: nn.Module) -> nn.Module:

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmem_plugin import _pause
@@ -32,6 +33,10 @@ __all__ = ["MemoryCategory", "Phase", "MemoryTracker", "TraceResult", "round_all
 # round_size() rounds every request up to a multiple of it (a 1-byte request
 # takes 512 bytes). Zero-byte requests return a null pointer without a block.
 _CUDA_MIN_BLOCK_BYTES = 512
+
+
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+_PLACEHOLDER_SCALAR = {True: 1.0, False: 1}
 
 
 def round_allocation(nbytes: int) -> int:
@@ -207,6 +212,12 @@ class MemoryTracker(TorchDispatchMode):
 
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _LOCAL_SCALAR_DENSE and is_fake(args[0]):
+            # `.item()` on a fake tensor has no value to read. Optimizers read
+            # step counters and norms this way (torch/optim/_adafactor.py) to
+            # compute python scalars; memory does not depend on them. A fixed
+            # 1 stands in.
+            return _PLACEHOLDER_SCALAR.get(args[0].dtype.is_floating_point, 1)
         out = func(*args, **(kwargs or {}))
         if not _pause.is_paused():
             for t in _tensors_in(out):

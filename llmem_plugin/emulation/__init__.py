@@ -38,7 +38,6 @@ def cuda_emulation(
         autocast_dtype: The autocast dtype of mixed precision, or None for none.
         compute_capability: GPU generation whose kernel choices to follow.
     """
-    from llmem_plugin.emulation.autocast import cuda_autocast
     from llmem_plugin.emulation.sdpa import patch_sdpa
 
     with contextlib.ExitStack() as stack:
@@ -46,6 +45,8 @@ def cuda_emulation(
         stack.enter_context(_cuda_dropout())
         stack.enter_context(patch_sdpa(compute_capability=compute_capability))
         if autocast_dtype is not None:
+            from llmem_plugin.emulation.autocast import cuda_autocast
+
             stack.enter_context(cuda_autocast(autocast_dtype))
         yield
 

@@ -1,0 +1,136 @@
+"""The ``llmem`` command line.
+
+Each command is a parser function plus a command function. Exit codes: 0 on
+success, 2 for bad input (one line on stderr, no traceback), 3 reserved for
+"does not fit".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "EXIT_BAD_INPUT", "EXIT_WONT_FIT"]
+
+EXIT_BAD_INPUT = 2
+EXIT_WONT_FIT = 3
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed (default), fp16-mixed or bf16")
+    p.add_argument("--optimizer", default="adamw", help="adamw (foreach, default), adamw-fused, sgd or adafactor")
+    p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
+    p.add_argument("--lora-rank", type=int, default=None, help="enable LoRA with this rank")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma-separated module names (default q_proj,k_proj,v_proj,o_proj), or all-linear")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+
+
+def _workload(args: argparse.Namespace):
+    from llmem_plugin.workload import LoraSpec, Workload
+
+    lora = None
+    if args.lora_rank is not None:
+        kw = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout}
+        if args.lora_targets:
+            kw["target_modules"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        lora = LoraSpec(**kw)
+    elif args.lora_targets or args.lora_alpha is not None:
+        from llmem_plugin.errors import ConfigError
+
+        raise ConfigError("--lora-targets/--lora-alpha need --lora-rank. HINT: add --lora-rank 16")
+    return Workload(
+        seq_len=args.seq_len,
+        micro_batch_size=args.batch_size,
+        grad_accum_steps=args.grad_accum,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        grad_checkpointing=args.grad_checkpointing,
+        lora=lora,
+        attn_implementation=args.attn,
+    )
+
+
+def _parser_estimate(sub) -> None:
+    p = sub.add_parser("estimate", help="peak GPU memory of one fine-tuning step on one GPU")
+    _add_workload_args(p)
+    p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=_cmd_estimate)
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from llmem_plugin.estimate import estimate
+
+    est = estimate(args.model, _workload(args), fast=args.fast)
+    if args.json:
+        print(json.dumps(est.to_dict()))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_estimate
+
+        render_estimate(est, Console())
+    return 0
+
+
+def _parser_models(sub) -> None:
+    p = sub.add_parser("models", help="list the bundled model catalog with exact parameter counts")
+    p.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    p.set_defaults(func=_cmd_models)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from llmem_plugin import catalog
+
+    rows = []
+    for name in catalog.names():
+        e = catalog.entry(name)
+        params, layers = catalog.count_parameters(catalog.load_config(name))
+        rows.append({"name": name, "hub_id": e.hub_id, "family": e.family, "num_layers": layers, "params": params})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_models
+
+        render_models(rows, Console())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmem", description="Peak GPU memory of LLM fine-tuning, predicted before the job starts."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _parser_estimate(sub)
+    _parser_models(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``llmem``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    from llmem_plugin.errors import LLMemError
+
+    try:
+        return args.func(args)
+    except LLMemError as e:
+        print(f"llmem: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ImportError as e:
+        print(f"llmem: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

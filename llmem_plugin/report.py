@@ -1,0 +1,64 @@
+"""Render estimates and the catalog as terminal tables (the only printing besides the CLI)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from llmem_plugin.estimate import Estimate
+from llmem_plugin.tracker import MemoryCategory
+
+__all__ = ["gib", "render_estimate", "render_models"]
+
+_GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
+
+
+def gib(nbytes: int) -> str:
+    """``nbytes`` as GiB with two decimals."""
+    return f"{nbytes / _GIB:,.2f}"
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def render_estimate(est: Estimate, console: Console) -> None:
+    """Print the breakdown at the peak of ``est``."""
+    wl = est.workload
+    lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
+    gc = ", grad checkpointing" if wl.grad_checkpointing else ""
+    title = (
+        f"{est.model}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
+        f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("at the peak", style="bold")
+    table.add_column("GiB", justify="right")
+    for cat in MemoryCategory:
+        if cat is MemoryCategory.HOST:
+            continue
+        table.add_row(cat.value, gib(est.breakdown.get(cat, 0)))
+    table.add_section()
+    table.add_row("peak allocated", gib(est.peak_allocated_bytes), style="bold")
+    table.add_row("peak phase", est.peak_phase.value)
+    console.print(table)
+    phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items())
+    mode = "fast (layer-extrapolated)" if est.fast else "full trace"
+    console.print(f"per-phase peaks (GiB): {phases}")
+    console.print(f"{mode}, {est.seconds:.2f} s")
+
+
+def render_models(rows: Sequence[dict], console: Console) -> None:
+    """Print the catalog: one row per model with its exact parameter count."""
+    table = Table(title="bundled model catalog (configs only, no weights)", title_justify="left")
+    for col, just in (("name", "left"), ("hub id", "left"), ("family", "left"), ("layers", "right"),
+                      ("params", "right")):
+        table.add_column(col, justify=just)
+    for r in rows:
+        table.add_row(r["name"], r["hub_id"], r["family"], str(r["num_layers"]), f"{r['params']:,}")
+    console.print(table)
