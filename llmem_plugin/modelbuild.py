@@ -136,7 +136,9 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             raise ConfigError(
                 f"{type(model).__name__} does not support gradient checkpointing. HINT: drop --grad-checkpointing"
             )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.?: activation_checkpointing_enable; older: gradient_checkpointing_enable.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if workload.lora is not None:
         model = _apply_lora(model, workload.lora)
     return model

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, cuda_emulation
+from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, autocast_region, cuda_emulation
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Workload
 
@@ -113,9 +113,13 @@ def trace_step(
                     tracker.register([input_ids, labels], MemoryCategory.INPUT)
                     tracker.set_phase(Phase.FORWARD)
                     start = tracker.num_records
-                    out = model(input_ids=input_ids, labels=labels, use_cache=False)
-                    loss = out.loss / workload.grad_accum_steps
-                    del out
+                    # As HF Trainer's compute_loss: forward and loss inside
+                    # autocast, backward outside (the autocast weight-cast
+                    # cache is freed when the region exits).
+                    with autocast_region(workload.precision.autocast_dtype):
+                        out = model(input_ids=input_ids, labels=labels, use_cache=False)
+                        loss = out.loss / workload.grad_accum_steps
+                        del out
                     # What the forward leaves alive is what backward needs.
                     tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
                     tracker.set_phase(Phase.BACKWARD)

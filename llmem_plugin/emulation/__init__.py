@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cuda_emulation", "DEFAULT_COMPUTE_CAPABILITY"]
+__all__ = ["cuda_emulation", "autocast_region", "DEFAULT_COMPUTE_CAPABILITY"]
 
 # The default GPU generation that decides CUDA kernel choices (SDPA backends):
 # sm90, Hopper (H100/H200), the GPUs this project's ground truth runs on.
@@ -35,7 +35,9 @@ def cuda_emulation(
     """Emulate CUDA's allocation behaviour on CPU for the duration of the block.
 
     Args:
-        autocast_dtype: The autocast dtype of mixed precision, or None for none.
+        autocast_dtype: The autocast dtype of mixed precision, or None for
+            none. Autocast itself is entered per forward, with
+            :func:`autocast_region`; this installs the CUDA op policy.
         compute_capability: GPU generation whose kernel choices to follow.
     """
     from llmem_plugin.emulation.sdpa import patch_sdpa
@@ -45,10 +47,21 @@ def cuda_emulation(
         stack.enter_context(_cuda_dropout())
         stack.enter_context(patch_sdpa(compute_capability=compute_capability))
         if autocast_dtype is not None:
-            from llmem_plugin.emulation.autocast import cuda_autocast
+            from llmem_plugin.emulation.autocast import cuda_autocast_policy
 
-            stack.enter_context(cuda_autocast(autocast_dtype))
+            # The policy covers the whole step: checkpointed layers re-enter
+            # autocast when they recompute during backward.
+            stack.enter_context(cuda_autocast_policy())
         yield
+
+
+def autocast_region(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The ``torch.autocast("cuda", dtype)`` region a trainer wraps its forward and loss in."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    from llmem_plugin.emulation.autocast import cuda_autocast
+
+    return cuda_autocast(dtype)
 
 
 @contextlib.contextmanager

@@ -146,14 +146,21 @@ CUDA_CAST_POLICIES: Mapping[str, CastPolicy] = MappingProxyType(
 # torch.amp.autocast accepts only these for CUDA (autocast_mode.py, device_supported_dtypes).
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
+# The torch release CUDA_CAST_POLICIES was read from; _Registration checks the binary.
+_TABLE_TORCH_VERSION = "2.13"
+
 # autocast_mode.cpp binary_cross_entropy_banned, verbatim.
 _BCE_BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
     "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
-    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "In this case, combine the two layers using "
+    "torch.nn.functional.binary_cross_entropy_with_logits\n"
     "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
     "safe to autocast."
 )
+
+# c10 OperatorEntry::registerKernel warns (once per process) when a kernel is overridden.
+_OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel"
 
 _EXCLUDE_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -391,19 +398,20 @@ class _Registration:
     def _install(self) -> None:
         cuda_ops = _aten_ops_with_kernel("AutocastCUDA")
         cpu_ops = _aten_ops_with_kernel("AutocastCPU")
-        if cuda_ops != set(CUDA_CAST_POLICIES):
+        table = set(CUDA_CAST_POLICIES)
+        if cuda_ops != table:
             raise UnsupportedError(
                 "the CUDA autocast table of llmem_plugin.emulation.autocast was taken from "
-                f"torch 2.13 and does not match torch {torch.__version__}: ops with an "
-                f"AutocastCUDA kernel but no entry: {sorted(cuda_ops - set(CUDA_CAST_POLICIES))}; "
-                f"entries with no kernel: {sorted(set(CUDA_CAST_POLICIES) - cuda_ops)}. "
-                "HINT: update CUDA_CAST_POLICIES from aten/src/ATen/autocast_mode.h of that version."
+                f"torch {_TABLE_TORCH_VERSION} and does not match torch {torch.__version__}: "
+                f"ops with an AutocastCUDA kernel but no entry: {sorted(cuda_ops - table)}; "
+                f"entries with no kernel: {sorted(table - cuda_ops)}. HINT: update "
+                "CUDA_CAST_POLICIES from aten/src/ATen/autocast_mode.h of that version."
             )
         library = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():
                 # Overriding the C++ AutocastCPU kernels is the point; the dispatcher warns once.
-                warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+                warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING)
                 for name, policy in CUDA_CAST_POLICIES.items():
                     library.impl(name, _make_kernel(name, policy), "AutocastCPU")
                 for name in sorted(cpu_ops - cuda_ops):

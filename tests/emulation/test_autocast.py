@@ -329,6 +329,22 @@ def test_checkpoint_inside_region_with_backward_inside():
     assert x.grad.dtype == FP32
 
 
+def test_region_inside_checkpointed_function():
+    # The recomputation re-enters cuda_autocast itself, so backward may run outside.
+    model = _MLP()
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def block(inp):
+        with cuda_autocast(BF16):
+            return model(inp)
+
+    out = checkpoint(block, x, use_reentrant=False)
+    assert out.dtype == BF16
+    out.float().sum().backward()
+    assert x.grad.dtype == FP32
+    assert ac._REGISTRATION._depth == 0
+
+
 # ---------------------------------------------------------------------------
 # Exit restores the CPU policy
 
