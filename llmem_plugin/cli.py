@@ -26,7 +26,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed (default), fp16-mixed or bf16")
     p.add_argument("--optimizer", default="adamw", help="adamw (foreach, default), adamw-fused, sgd or adafactor")
     p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
-    p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
+    p.add_argument("--attn", default="auto",
+                   help="attention implementation: auto (transformers' default: sdpa where supported), sdpa or eager")
     p.add_argument("--lora-rank", type=int, default=None, help="enable LoRA with this rank")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--lora-targets", default=None,

@@ -113,7 +113,7 @@ def _trace(model: nn.Module, workload: Workload) -> TraceResult:
     modelbuild.fakeify(model, fake_mode)
     try:
         return trace_step(model, workload, vocab_size=vocab, fake_mode=fake_mode)
-    except LLMemError:
+    except (LLMemError, ImportError, AssertionError):
         raise
     except Exception as e:  # the model's own code failed under fake tensors
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

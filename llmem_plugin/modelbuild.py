@@ -123,7 +123,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             try:
                 model = transformers.AutoModelForCausalLM.from_config(
                     config,
-                    attn_implementation=workload.attn_implementation.value,
+                    attn_implementation=_attn_arg(workload),
                     dtype=workload.precision.param_dtype,
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -136,12 +136,19 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             raise ConfigError(
                 f"{type(model).__name__} does not support gradient checkpointing. HINT: drop --grad-checkpointing"
             )
-        # transformers >= 5.?: activation_checkpointing_enable; older: gradient_checkpointing_enable.
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if workload.lora is not None:
         model = _apply_lora(model, workload.lora)
     return model
+
+
+def _attn_arg(workload: Workload) -> str | None:
+    value = workload.attn_implementation.value
+    return None if value == "auto" else value
 
 
 def _check_moe_dtype(model: nn.Module, workload: Workload) -> None:

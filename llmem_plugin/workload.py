@@ -55,8 +55,10 @@ class OptimizerKind(str, Enum):
 
 
 class AttentionImpl(str, Enum):
-    """transformers ``attn_implementation``."""
+    """transformers ``attn_implementation``; AUTO is transformers' own default
+    (sdpa where the architecture supports it, else eager)."""
 
+    AUTO = "auto"
     SDPA = "sdpa"
     EAGER = "eager"
 
@@ -113,7 +115,7 @@ class Workload:
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     grad_checkpointing: bool = False
     lora: LoraSpec | None = None
-    attn_implementation: AttentionImpl = AttentionImpl.SDPA
+    attn_implementation: AttentionImpl = AttentionImpl.AUTO
 
     def __post_init__(self) -> None:
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
