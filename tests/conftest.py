@@ -8,34 +8,32 @@ import transformers
 # Small but structurally complete configs: GQA where the family has it, tied
 # embeddings where the family ties them, dropout where the family has it.
 TINY_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
+    "llama": (transformers.LlamaConfig, dict(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    ),
-    "gpt2": lambda: transformers.GPT2Config(
+    )),
+    "gpt2": (transformers.GPT2Config, dict(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=0,
-    ),
-    "opt": lambda: transformers.OPTConfig(
+    )),
+    "opt": (transformers.OPTConfig, dict(
         vocab_size=512, hidden_size=64, ffn_dim=160, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=512, word_embed_proj_dim=64,
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(
+    )),
+    "qwen2": (transformers.Qwen2Config, dict(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-    ),
-    "mixtral": lambda: transformers.MixtralConfig(
+    )),
+    "mixtral": (transformers.MixtralConfig, dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         max_position_embeddings=512,
-    ),
+    )),
 }
 
 
 def tiny_config(arch: str, **overrides):
-    cfg = TINY_CONFIGS[arch]()
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+    cls, kwargs = TINY_CONFIGS[arch]
+    return cls(**{**kwargs, **overrides})
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS))
