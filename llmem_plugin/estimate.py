@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from llmem_plugin import modelbuild
@@ -34,6 +33,7 @@ class Estimate:
         num_layers: Transformer layers in the model.
         peak_allocated_bytes: Peak of live tensor bytes, 512-B rounded.
         peak_phase: Phase of the training step where the peak falls.
+        peak_module: Module running when the peak was reached ("" if none).
         breakdown: Bytes per category live at the peak.
         phase_peaks: Peak bytes of each phase.
         timeline: (event index, phase, bytes), thinned to a few hundred points
@@ -49,6 +49,7 @@ class Estimate:
     num_layers: int
     peak_allocated_bytes: int
     peak_phase: Phase
+    peak_module: str
     breakdown: dict[MemoryCategory, int]
     phase_peaks: dict[Phase, int]
     timeline: list[tuple[int, Phase, int]] = field(repr=False)
@@ -64,6 +65,7 @@ class Estimate:
             "num_layers": self.num_layers,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_phase": self.peak_phase.value,
+            "peak_module": self.peak_module,
             "breakdown": {c.value: v for c, v in self.breakdown.items()},
             "phase_peaks": {p.value: v for p, v in self.phase_peaks.items()},
             "timeline": [[i, p.value, v] for i, p, v in self.timeline],
@@ -174,6 +176,7 @@ def estimate(model: Any, workload: Workload | None = None, *, fast: bool = False
         num_layers=depth,
         peak_allocated_bytes=result.peak_bytes,
         peak_phase=result.peak_phase,
+        peak_module=result.peak_module,
         breakdown=result.breakdown,
         phase_peaks=result.phase_peaks,
         timeline=timeline,

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmem_plugin.estimate import Estimate
-from llmem_plugin.tracker import MemoryCategory
+from llmem_plugin.tracker import MemoryCategory, Phase
 
 __all__ = ["gib", "render_estimate", "render_models"]
 
@@ -36,7 +36,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
         f"{est.model}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
         f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
     )
-    table = Table(title=title, title_justify="left")
+    console.print(title)
+    table = Table()
     table.add_column("at the peak", style="bold")
     table.add_column("GiB", justify="right")
     for cat in MemoryCategory:
@@ -46,8 +47,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
     table.add_section()
     table.add_row("peak allocated", gib(est.peak_allocated_bytes), style="bold")
     table.add_row("peak phase", est.peak_phase.value)
+    if est.peak_module:
+        table.add_row("active module", est.peak_module)
     console.print(table)
-    phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items())
+    phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")
     console.print(f"{mode}, {est.seconds:.2f} s")
