@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "EXIT_BAD_INPUT", "EXIT_WONT_FIT"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_WONT_FIT", "main"]
 
 EXIT_BAD_INPUT = 2
 EXIT_WONT_FIT = 3
@@ -108,6 +108,29 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parser_gpus(sub) -> None:
+    p = sub.add_parser("gpus", help="list the bundled GPU catalog: memory, dense peak TFLOP/s, interconnect")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="show only these GPUs (catalog name, alias, or the device name torch reports)")
+    p.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    p.set_defaults(func=_cmd_gpus)
+
+
+def _cmd_gpus(args: argparse.Namespace) -> int:
+    from llmem_plugin import gpus
+
+    rows = [gpus.get_gpu(n).to_dict() for n in args.names or gpus.gpu_names()]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_gpus
+
+        render_gpus(rows, Console())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmem", description="Peak GPU memory of LLM fine-tuning, predicted before the job starts."
@@ -115,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _parser_estimate(sub)
     _parser_models(sub)
+    _parser_gpus(sub)
     return parser
 
 

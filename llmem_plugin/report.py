@@ -10,7 +10,7 @@ from rich.table import Table
 from llmem_plugin.estimate import Estimate
 from llmem_plugin.tracker import MemoryCategory, Phase
 
-__all__ = ["gib", "render_estimate", "render_models"]
+__all__ = ["gib", "render_estimate", "render_gpus", "render_models"]
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
 
@@ -64,4 +64,24 @@ def render_models(rows: Sequence[dict], console: Console) -> None:
         table.add_column(col, justify=just)
     for r in rows:
         table.add_row(r["name"], r["hub_id"], r["family"], str(r["num_layers"]), f"{r['params']:,}")
+    console.print(table)
+
+
+def _tflops(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def render_gpus(rows: Sequence[dict], console: Console) -> None:
+    """Print the GPU catalog: one row per GPU, memory in GiB, dense peaks."""
+    table = Table(title="bundled GPU catalog (dense peaks, no sparsity; bf16/fp16 tensor cores with fp32 accumulate)",
+                  title_justify="left")
+    for col, just in (("name", "left"), ("device name", "left"), ("arch", "left"), ("cc", "right"),
+                      ("memory GiB", "right"), ("bf16 TFLOP/s", "right"), ("fp16 TFLOP/s", "right"),
+                      ("fp32 TFLOP/s", "right"), ("mem GB/s", "right"), ("link", "left"), ("link GB/s", "right")):
+        table.add_column(col, justify=just)
+    for r in rows:
+        major, minor = r["compute_capability"]
+        table.add_row(r["name"], r["display_name"], r["architecture"], f"{major}.{minor}", gib(r["memory_bytes"]),
+                      _tflops(r["bf16_tflops"]), _tflops(r["fp16_tflops"]), _tflops(r["fp32_tflops"]),
+                      f"{r['memory_bandwidth_gbps']:,.0f}", r["link"], f"{r['link_bandwidth_gbps']:,.0f}")
     console.print(table)
