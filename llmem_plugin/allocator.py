@@ -22,7 +22,7 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmem_plugin.allocator_config import (
@@ -137,6 +137,9 @@ class AllocatorResult:
         num_alloc_retries: cudaMalloc failures that freed cached segments and retried.
         oom: Whether a request could not be met within ``capacity_bytes``.
         oom_event: Index of the failing event, or -1.
+        phase_allocated_bytes: Peak allocated within each labelled phase
+            (when :func:`replay` was given labels).
+        phase_reserved_bytes: Reserved peak up to the end of each labelled phase.
     """
 
     peak_allocated_bytes: int
@@ -148,6 +151,8 @@ class AllocatorResult:
     num_alloc_retries: int
     oom: bool = False
     oom_event: int = -1
+    phase_allocated_bytes: dict[str, int] = field(default_factory=dict)
+    phase_reserved_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -563,7 +568,9 @@ class CachingAllocator:
             self.stats.segments.discard(blk.segment.base)
 
     # ------------------------------------------------------------ results
-    def result(self, *, oom_event: int = -1) -> AllocatorResult:
+    def result(
+        self, *, oom_event: int = -1, phase_allocated: dict | None = None, phase_reserved: dict | None = None
+    ) -> AllocatorResult:
         st = self.stats
         frag = 1.0 - st.allocated_at_peak_reserved / st.peak_reserved if st.peak_reserved else 0.0
         return AllocatorResult(
@@ -576,6 +583,8 @@ class CachingAllocator:
             num_alloc_retries=st.num_alloc_retries,
             oom=oom_event >= 0,
             oom_event=oom_event,
+            phase_allocated_bytes=dict(phase_allocated or {}),
+            phase_reserved_bytes=dict(phase_reserved or {}),
         )
 
 
@@ -599,6 +608,7 @@ def replay(
     capacity_bytes: int | None = None,
     memory_fraction: float | None = None,
     device_memory_bytes: int | None = None,
+    labels: Sequence[str] | None = None,
 ) -> AllocatorResult:
     """Run an ordered alloc/free stream through the simulated allocator.
 
@@ -610,6 +620,8 @@ def replay(
         capacity_bytes: Bytes the allocator may reserve; None = unlimited.
         memory_fraction: See :class:`CachingAllocator`.
         device_memory_bytes: See :class:`CachingAllocator`.
+        labels: A label per event (e.g. the training phase); the result then
+            holds per-label peaks.
 
     Returns:
         The peaks; ``oom`` is set (and the replay stops) at the first request
@@ -620,6 +632,9 @@ def replay(
         device_memory_bytes=device_memory_bytes,
     )
     handles: dict[int, int] = {}
+    st = alloc.stats
+    ph_alloc: dict[str, int] = {}
+    ph_res: dict[str, int] = {}
     for i, (sign, key, nbytes) in enumerate(events):
         if sign > 0:
             if nbytes <= 0:
@@ -627,9 +642,14 @@ def replay(
             try:
                 handles[key] = alloc.malloc(nbytes)
             except SimulatedOOM:
-                return alloc.result(oom_event=i)
+                return alloc.result(oom_event=i, phase_allocated=ph_alloc, phase_reserved=ph_res)
         else:
             h = handles.pop(key, None)
             if h is not None:
                 alloc.free(h)
-    return alloc.result()
+        if labels is not None:
+            lab = labels[i]
+            if st.allocated > ph_alloc.get(lab, -1):
+                ph_alloc[lab] = st.allocated
+            ph_res[lab] = st.peak_reserved
+    return alloc.result(phase_allocated=ph_alloc, phase_reserved=ph_res)

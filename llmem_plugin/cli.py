@@ -35,6 +35,26 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
 
 
+def _add_gpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default=None, help="GPU from `llmem gpus` (default h100-sxm)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="override the GPU's capacity, e.g. 80GiB, 40GB, 81920MiB, or a number of GiB")
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    _add_gpu_args(p)
+    p.add_argument("--alloc-conf", default=None,
+                   help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
+    p.add_argument("--torch-version", default=None,
+                   help="torch version the job runs, for version-dependent overheads (default: installed)")
+
+
+def _gpu(args: argparse.Namespace):
+    from llmem_plugin.gpus import resolve_gpu
+
+    return resolve_gpu(args.gpu, args.gpu_memory)
+
+
 def _workload(args: argparse.Namespace):
     from llmem_plugin.workload import LoraSpec, Workload
 
@@ -63,6 +83,7 @@ def _workload(args: argparse.Namespace):
 def _parser_estimate(sub) -> None:
     p = sub.add_parser("estimate", help="peak GPU memory of one fine-tuning step on one GPU")
     _add_workload_args(p)
+    _add_target_args(p)
     p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)
@@ -71,7 +92,8 @@ def _parser_estimate(sub) -> None:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from llmem_plugin.estimate import estimate
 
-    est = estimate(args.model, _workload(args), fast=args.fast)
+    est = estimate(args.model, _workload(args), fast=args.fast, gpu=_gpu(args), alloc_conf=args.alloc_conf,
+                   torch_version=args.torch_version)
     if args.json:
         print(json.dumps(est.to_dict()))
     else:
@@ -85,6 +107,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 def _parser_models(sub) -> None:
     p = sub.add_parser("models", help="list the bundled model catalog with exact parameter counts")
+    _add_gpu_args(p)
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     p.set_defaults(func=_cmd_models)
 
@@ -92,11 +115,17 @@ def _parser_models(sub) -> None:
 def _cmd_models(args: argparse.Namespace) -> int:
     from llmem_plugin import catalog
 
+    gpu = _gpu(args) if args.gpu or args.gpu_memory else None
     rows = []
     for name in catalog.names():
         e = catalog.entry(name)
         params, layers = catalog.count_parameters(catalog.load_config(name))
-        rows.append({"name": name, "hub_id": e.hub_id, "family": e.family, "num_layers": layers, "params": params})
+        row = {"name": name, "hub_id": e.hub_id, "family": e.family, "num_layers": layers, "params": params}
+        if gpu is not None:
+            # bf16 weights alone (2 bytes per parameter): a first filter, not an estimate.
+            row["gpu"] = gpu.name
+            row["bf16_weights_pct_of_gpu"] = round(100 * 2 * params / gpu.capacity_bytes, 1)
+        rows.append(row)
     if args.json:
         print(json.dumps(rows))
     else:
@@ -112,6 +141,7 @@ def _parser_gpus(sub) -> None:
     p = sub.add_parser("gpus", help="list the bundled GPU catalog: memory, dense peak TFLOP/s, interconnect")
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="show only these GPUs (catalog name, alias, or the device name torch reports)")
+    _add_gpu_args(p)
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     p.set_defaults(func=_cmd_gpus)
 
@@ -119,7 +149,11 @@ def _parser_gpus(sub) -> None:
 def _cmd_gpus(args: argparse.Namespace) -> int:
     from llmem_plugin import gpus
 
-    rows = [gpus.get_gpu(n).to_dict() for n in args.names or gpus.gpu_names()]
+    names = list(args.names) + ([args.gpu] if args.gpu else [])
+    if args.gpu_memory is not None:
+        rows = [gpus.resolve_gpu(n, args.gpu_memory).to_dict() for n in names or [None]]
+    else:
+        rows = [gpus.get_gpu(n).to_dict() for n in names or gpus.gpu_names()]
     if args.json:
         print(json.dumps(rows))
     else:

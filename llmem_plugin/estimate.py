@@ -9,16 +9,20 @@ from typing import Any
 from torch import nn
 
 from llmem_plugin import modelbuild
+from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, replay
 from llmem_plugin.errors import ConfigError, LLMemError, TraceError
+from llmem_plugin.gpus import GPU, get_gpu
+from llmem_plugin.overheads import DeviceOverheads, device_overheads, workspace_allocations
 from llmem_plugin.step import trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["DEFAULT_GPU", "Estimate", "allocator_events", "estimate"]
 
 # Points kept in an Estimate's timeline; the full event stream of an 8B step
 # has tens of thousands of events.
 _TIMELINE_POINTS = 512
+DEFAULT_GPU = "h100-sxm"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,11 +35,26 @@ class Estimate:
         params: Parameter count (tied weights once).
         trainable_params: Parameters that receive gradients.
         num_layers: Transformer layers in the model.
-        peak_allocated_bytes: Peak of live tensor bytes, 512-B rounded.
-        peak_phase: Phase of the training step where the peak falls.
-        peak_module: Module running when the peak was reached ("" if none).
-        breakdown: Bytes per category live at the peak.
-        phase_peaks: Peak bytes of each phase.
+        gpu: Catalog name of the GPU estimated for.
+        capacity_bytes: Memory the GPU offers (driver-reported total where
+            known, or the ``gpu_memory`` override).
+        peak_tensor_bytes: Peak of live tensor storages, each 512-B rounded.
+        peak_allocated_bytes: Peak allocated bytes as the caching allocator
+            counts them (``torch.cuda.max_memory_allocated``): tensors, unsplit
+            block slack and the cuBLAS workspaces.
+        peak_reserved_bytes: Peak of segments held by the caching allocator
+            (``torch.cuda.max_memory_reserved``).
+        device_total_bytes: Reserved plus what lies outside the allocator
+            (CUDA context, NCCL): the device's used memory in nvidia-smi.
+        fits: Whether the step runs within ``capacity_bytes`` (the simulated
+            allocator frees its cache and retries before giving up, as torch does).
+        overheads: The device overheads used.
+        fragmentation: ``1 - allocated / reserved`` at the reserved peak.
+        alloc_conf: The ``PYTORCH_CUDA_ALLOC_CONF`` simulated ("" = defaults).
+        peak_phase: Phase of the training step where the tensor peak falls.
+        peak_module: Module running when the tensor peak was reached ("" if none).
+        breakdown: Bytes per category live at the tensor peak.
+        phase_peaks: Peak tensor bytes of each phase.
         timeline: (event index, phase, bytes), thinned to a few hundred points
             (empty in fast mode, which traces a shortened model).
         fast: Whether the layer-extrapolating fast mode produced this.
@@ -47,7 +66,16 @@ class Estimate:
     params: int
     trainable_params: int
     num_layers: int
+    gpu: str
+    capacity_bytes: int
+    peak_tensor_bytes: int
     peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    fits: bool
+    overheads: DeviceOverheads
+    fragmentation: float
+    alloc_conf: str
     peak_phase: Phase
     peak_module: str
     breakdown: dict[MemoryCategory, int]
@@ -63,7 +91,16 @@ class Estimate:
             "params": self.params,
             "trainable_params": self.trainable_params,
             "num_layers": self.num_layers,
+            "gpu": self.gpu,
+            "capacity_bytes": self.capacity_bytes,
+            "peak_tensor_bytes": self.peak_tensor_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "fits": self.fits,
+            "overheads": self.overheads.to_dict(),
+            "fragmentation": round(self.fragmentation, 6),
+            "alloc_conf": self.alloc_conf,
             "peak_phase": self.peak_phase.value,
             "peak_module": self.peak_module,
             "breakdown": {c.value: v for c, v in self.breakdown.items()},
@@ -107,14 +144,18 @@ def _vocab_size(model: nn.Module) -> int:
     return int(emb.num_embeddings)
 
 
-def _trace(model: nn.Module, workload: Workload) -> TraceResult:
+def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None) -> TraceResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    gpu = gpu or get_gpu(DEFAULT_GPU)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = _vocab_size(model)
     modelbuild.fakeify(model, fake_mode)
     try:
-        return trace_step(model, workload, vocab_size=vocab, fake_mode=fake_mode)
+        return trace_step(
+            model, workload, vocab_size=vocab, fake_mode=fake_mode,
+            compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
+        )
     except (LLMemError, ImportError, AssertionError):
         raise
     except Exception as e:  # the model's own code failed under fake tensors
@@ -134,7 +175,106 @@ def _describe(source: Any) -> str:
     return getattr(source, "_name_or_path", None) or type(source).__name__
 
 
-def estimate(model: Any, workload: Workload | None = None, *, fast: bool = False, **workload_fields: Any) -> Estimate:
+def _uses_cublaslt(model: nn.Module) -> bool:
+    """Whether a Linear with bias runs (addmm's cuBLASLt path); transformers'
+    GPT-2-style Conv1D calls addmm with its bias too."""
+    return any(
+        getattr(m, "bias", None) is not None and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+        for m in model.modules()
+    )
+
+
+def allocator_events(trace: TraceResult, overheads: DeviceOverheads) -> tuple[list[tuple[int, int, int]], list[str]]:
+    """The trace's event stream with the cuBLAS workspaces inserted where a
+    CUDA run creates them: at the start of the first forward and the first
+    backward (each phase's thread makes its own on its first matmul).
+
+    Returns:
+        The events and, aligned with them, each event's phase. (``trace.timeline``
+        holds one entry per event of ``trace.events``, so it gives the phases.)
+    """
+    pending = {Phase(k): v for k, v in workspace_allocations(overheads).items()}
+    out: list[tuple[int, int, int]] = []
+    phases: list[str] = []
+    key = -1
+    for ev, (_, phase, _) in zip(trace.events, trace.timeline, strict=True):
+        for nbytes in pending.pop(phase, ()):
+            out.append((1, key, nbytes))  # never freed
+            phases.append(phase.value)
+            key -= 1
+        out.append(ev)
+        phases.append(phase.value)
+    return out, phases
+
+
+def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | None) -> GPU:
+    import dataclasses
+
+    g = get_gpu(DEFAULT_GPU if gpu is None else gpu) if not isinstance(gpu, GPU) else gpu
+    if gpu_memory is not None:
+        if gpu_memory <= 0:
+            raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. HINT: e.g. 80 * 2**30")
+        g = dataclasses.replace(g, memory_bytes=gpu_memory, driver_memory_bytes=None)
+    return g
+
+
+def _simulate(
+    trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, capacity: int | None
+) -> tuple[AllocatorResult, bool]:
+    """Replay without a cap; when the result exceeds the GPU, replay again
+    under it, where the allocator frees its cache and retries before OOM."""
+    events, phases = allocator_events(trace, overheads)
+    free = replay(events, config, labels=phases)
+    if capacity is None:
+        return free, True
+    if free.peak_reserved_bytes + overheads.outside_allocator_bytes <= capacity:
+        return free, True
+    capped = replay(events, config, capacity_bytes=max(capacity - overheads.outside_allocator_bytes, 0))
+    if capped.oom:
+        return free, False
+    return capped, True
+
+
+def _extrapolated_simulation(ext: Any, config: AllocatorConfig, overheads: DeviceOverheads) -> AllocatorResult:
+    """Allocator peaks of the full depth from the two shortened traces.
+
+    As for the tensor breakdown, each phase is extrapolated on its own (its
+    peak allocated, and the reserved bytes held by its end) and the largest
+    phase wins: the global peak can move between phases with depth.
+    """
+    short, long = (_simulate(r, config, overheads, None)[0] for r in (ext.short, ext.long))
+
+    def per_phase(attr: str) -> int:
+        values = []
+        for phase, v2 in getattr(long, attr).items():
+            v1 = getattr(short, attr).get(phase, v2)
+            values.append(v1 + round(ext.scale * (v2 - v1)))
+        return max(values, default=0)
+
+    allocated = per_phase("phase_allocated_bytes")
+    reserved = max(per_phase("phase_reserved_bytes"), allocated)
+    return AllocatorResult(
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        peak_requested_bytes=ext.extrapolate(lambda r: r.peak_bytes),
+        reserved_at_end_bytes=reserved,
+        fragmentation=long.fragmentation,
+        num_segments=long.num_segments,
+        num_alloc_retries=0,
+    )
+
+
+def estimate(
+    model: Any,
+    workload: Workload | None = None,
+    *,
+    fast: bool = False,
+    gpu: GPU | str | None = None,
+    gpu_memory: int | None = None,
+    alloc_conf: AllocatorConfig | str | None = None,
+    torch_version: str | None = None,
+    **workload_fields: Any,
+) -> Estimate:
     """Trace a fine-tuning step of ``model`` under fake tensors and report its peak.
 
     Args:
@@ -144,29 +284,54 @@ def estimate(model: Any, workload: Workload | None = None, *, fast: bool = False
         workload: The workload; or give its fields as keywords instead
             (``seq_len=2048, batch_size=1, precision="bf16-mixed", ...``).
         fast: Trace two shortened models and extrapolate per layer to the full
-            depth (config sources only; modules are traced in full).
+            depth (config sources only; modules are traced in full). The
+            allocator's peaks are then extrapolated the same way, and ``fits``
+            compares them with the capacity without a capped replay.
+        gpu: Catalog GPU (name or :class:`GPU`); default H100 SXM. Sets the
+            kernel choices emulated, the workspace sizes and the capacity.
+        gpu_memory: Capacity in bytes, overriding the catalog's.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` (string or parsed); the
+            environment's if None.
+        torch_version: Torch the job will run, for version-dependent overheads;
+            the installed one if None.
 
     Returns:
         The :class:`Estimate`.
 
     Raises:
-        ConfigError: Bad model source or workload value.
+        ConfigError: Bad model source, workload, GPU or allocator option.
         TraceError: The model's step cannot run under fake tensors.
     """
     t0 = time.perf_counter()
     wl = _workload_from(workload, dict(workload_fields))
+    target = _resolve_gpu(gpu, gpu_memory)
+    cc = target.compute_capability
+    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     full = modelbuild.build_model(model, wl, device="meta")
     params, trainable = _count_params(full)
-    config = getattr(full, "config", None)
-    depth = modelbuild.num_layers(config) if config is not None else 0
+    model_config = getattr(full, "config", None)
+    depth = modelbuild.num_layers(model_config) if model_config is not None else 0
+    overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=_uses_cublaslt(full))
+    capacity = target.capacity_bytes
+
+    def trace(m: nn.Module, w: Workload) -> TraceResult:
+        return _trace(m, w, target)
+
     if fast and not isinstance(model, nn.Module):
         from llmem_plugin.fast import extrapolated_trace
 
-        result = extrapolated_trace(model, wl, depth=depth, trace=_trace)
+        ext = extrapolated_trace(model, wl, depth=depth, trace=trace)
+        result = ext.result
+        if ext.short is None:  # shallow enough to have been traced in full
+            sim, fits = _simulate(result, config, overheads, capacity)
+        else:
+            sim = _extrapolated_simulation(ext, config, overheads)
+            fits = sim.peak_reserved_bytes + overheads.outside_allocator_bytes <= capacity
         timeline: list[tuple[int, Phase, int]] = []
     else:
         fast = False
-        result = _trace(full, wl)
+        result = trace(full, wl)
+        sim, fits = _simulate(result, config, overheads, capacity)
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
     return Estimate(
         model=_describe(model),
@@ -174,7 +339,16 @@ def estimate(model: Any, workload: Workload | None = None, *, fast: bool = False
         params=params,
         trainable_params=trainable,
         num_layers=depth,
-        peak_allocated_bytes=result.peak_bytes,
+        gpu=target.name,
+        capacity_bytes=capacity,
+        peak_tensor_bytes=result.peak_bytes,
+        peak_allocated_bytes=sim.peak_allocated_bytes,
+        peak_reserved_bytes=sim.peak_reserved_bytes,
+        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes,
+        fits=fits,
+        overheads=overheads,
+        fragmentation=sim.fragmentation,
+        alloc_conf=config.to_env(),
         peak_phase=result.peak_phase,
         peak_module=result.peak_module,
         breakdown=result.breakdown,

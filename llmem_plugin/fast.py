@@ -17,13 +17,14 @@ matrix guards against that.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llmem_plugin import modelbuild
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import Workload
 
-__all__ = ["layer_period", "extrapolated_trace"]
+__all__ = ["Extrapolation", "layer_period", "extrapolated_trace"]
 
 
 def layer_period(config: Any) -> int:
@@ -37,9 +38,34 @@ def layer_period(config: Any) -> int:
     return len(types)
 
 
+@dataclass(frozen=True)
+class Extrapolation:
+    """The extrapolated trace plus the two traces it came from.
+
+    Attributes:
+        result: Per-phase peaks and breakdowns at the full depth.
+        short: Trace with ``n1`` layers (None when the full model was traced).
+        long: Trace with ``n1 + period`` layers (None likewise).
+        scale: Layer groups between ``short`` and the full depth.
+    """
+
+    result: TraceResult
+    short: TraceResult | None = None
+    long: TraceResult | None = None
+    scale: float = 0.0
+
+    def extrapolate(self, f: Callable[[TraceResult], int]) -> int:
+        """Any per-trace quantity (e.g. a simulated reserved peak), taken as
+        affine in depth like the breakdown."""
+        if self.short is None or self.long is None:
+            return f(self.result)
+        v1, v2 = f(self.short), f(self.long)
+        return v1 + round(self.scale * (v2 - v1))
+
+
 def extrapolated_trace(
     source: Any, workload: Workload, *, depth: int, trace: Callable[[Any, Workload], TraceResult]
-) -> TraceResult:
+) -> Extrapolation:
     """Peak of the ``depth``-layer model, from traces of two shortened copies.
 
     Args:
@@ -49,15 +75,14 @@ def extrapolated_trace(
         trace: Traces a built meta model (``estimate._trace``).
 
     Returns:
-        A TraceResult whose per-phase peaks and breakdowns are extrapolated;
-        its timeline and event list are empty.
+        The :class:`Extrapolation`; its result's timeline and event list are empty.
     """
     config = modelbuild.resolve_config(source)
     period = layer_period(config)
     n1 = max(2, period)
     n2 = n1 + period
     if depth <= n2:
-        return trace(modelbuild.build_model(config, workload), workload)
+        return Extrapolation(trace(modelbuild.build_model(config, workload), workload))
     r1 = trace(modelbuild.build_model(modelbuild.set_num_layers(config, n1), workload), workload)
     r2 = trace(modelbuild.build_model(modelbuild.set_num_layers(config, n2), workload), workload)
     scale = (depth - n1) / period
@@ -72,7 +97,7 @@ def extrapolated_trace(
         phase_breakdowns[phase] = bd
         phase_peaks[phase] = sum(bd.values())
     peak_phase = max(phase_peaks, key=phase_peaks.__getitem__)
-    return TraceResult(
+    result = TraceResult(
         peak_bytes=phase_peaks[peak_phase],
         peak_phase=peak_phase,
         peak_module=r2.peak_module,
@@ -82,3 +107,4 @@ def extrapolated_trace(
         timeline=[],
         num_events=r1.num_events + r2.num_events,
     )
+    return Extrapolation(result, r1, r2, scale)

@@ -80,6 +80,8 @@ class GPU:
             memory.total), where a source quotes it; None otherwise.
         architecture: ``"volta"``, ``"ampere"``, ``"ada"`` or ``"hopper"``.
         compute_capability: CUDA compute capability as ``(major, minor)``.
+        num_sms: Streaming multiprocessors (kernel choices such as flash
+            attention's split-KV depend on it).
         bf16_tflops: Dense BF16 tensor-core TFLOP/s with FP32 accumulate, or
             ``None`` where the GPU has no BF16 tensor cores (Volta).
         fp16_tflops: Dense FP16 tensor-core TFLOP/s with FP32 accumulate.
@@ -102,6 +104,7 @@ class GPU:
     driver_memory_bytes: int | None
     architecture: str
     compute_capability: tuple[int, int]
+    num_sms: int
     bf16_tflops: float | None
     fp16_tflops: float
     fp32_tflops: float
@@ -174,6 +177,7 @@ def _catalog() -> dict[str, GPU]:
             driver_memory_bytes=e["driver_memory_bytes"],
             architecture=e["architecture"],
             compute_capability=(e["compute_capability"][0], e["compute_capability"][1]),
+            num_sms=e["num_sms"],
             bf16_tflops=None if bf16 is None else float(bf16),
             fp16_tflops=float(e["fp16_tflops"]),
             fp32_tflops=float(e["fp32_tflops"]),

@@ -38,18 +38,36 @@ def render_estimate(est: Estimate, console: Console) -> None:
     )
     console.print(title)
     table = Table()
-    table.add_column("at the peak", style="bold")
+    table.add_column("tensors at the peak", style="bold")
     table.add_column("GiB", justify="right")
     for cat in MemoryCategory:
         if cat is MemoryCategory.HOST:
             continue
         table.add_row(cat.value, gib(est.breakdown.get(cat, 0)))
     table.add_section()
-    table.add_row("peak allocated", gib(est.peak_allocated_bytes), style="bold")
+    table.add_row("peak tensors", gib(est.peak_tensor_bytes))
     table.add_row("peak phase", est.peak_phase.value)
     if est.peak_module:
         table.add_row("active module", est.peak_module)
     console.print(table)
+    ov = est.overheads
+    per_gpu = Table(title=f"per GPU ({est.gpu}, {gib(est.capacity_bytes)} GiB)", title_justify="left")
+    per_gpu.add_column("", style="bold")
+    per_gpu.add_column("GiB", justify="right")
+    per_gpu.add_column("what torch / nvidia-smi calls it")
+    per_gpu.add_row("allocated", gib(est.peak_allocated_bytes), "torch.cuda.max_memory_allocated")
+    per_gpu.add_row("reserved", gib(est.peak_reserved_bytes), "torch.cuda.max_memory_reserved")
+    per_gpu.add_row("device total", gib(est.device_total_bytes), "nvidia-smi used memory")
+    per_gpu.add_section()
+    per_gpu.add_row("cuBLAS workspaces", gib(ov.num_cublas_workspaces * ov.cublas_workspace_bytes
+                                             + ov.cublaslt_workspace_bytes), "inside allocated")
+    per_gpu.add_row("CUDA context", gib(ov.cuda_context_bytes), "outside the allocator")
+    if ov.nccl_bytes:
+        per_gpu.add_row("NCCL buffers", gib(ov.nccl_bytes), "outside the allocator")
+    verdict = "fits" if est.fits else "does NOT fit"
+    headroom = est.capacity_bytes - est.device_total_bytes
+    per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
+    console.print(per_gpu)
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")

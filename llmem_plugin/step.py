@@ -78,6 +78,7 @@ def trace_step(
     vocab_size: int,
     fake_mode=None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+    num_sms: int | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -89,6 +90,8 @@ def trace_step(
         fake_mode: The ``FakeTensorMode`` the model's tensors belong to, or
             None for a real run.
         compute_capability: GPU generation whose kernel choices to emulate.
+        num_sms: The GPU's multiprocessor count (None: the default GPU of
+            that generation).
 
     Returns:
         The replayed trace.
@@ -103,7 +106,9 @@ def trace_step(
     with mode_ctx, tracker:
         tracker.register(params, MemoryCategory.PARAMETER)
         tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
-        with cuda_emulation(autocast_dtype=workload.precision.autocast_dtype, compute_capability=compute_capability):
+        with cuda_emulation(
+            autocast_dtype=workload.precision.autocast_dtype, compute_capability=compute_capability, num_sms=num_sms
+        ):
             for _ in range(NUM_ITERATIONS):
                 for _ in range(workload.grad_accum_steps):
                     tracker.set_phase(Phase.SETUP)

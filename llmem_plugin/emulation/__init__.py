@@ -30,7 +30,10 @@ DEFAULT_COMPUTE_CAPABILITY = (9, 0)
 
 @contextlib.contextmanager
 def cuda_emulation(
-    *, autocast_dtype: torch.dtype | None, compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY
+    *,
+    autocast_dtype: torch.dtype | None,
+    compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+    num_sms: int | None = None,
 ) -> Iterator[None]:
     """Emulate CUDA's allocation behaviour on CPU for the duration of the block.
 
@@ -45,7 +48,7 @@ def cuda_emulation(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_real_run_masking())
         stack.enter_context(_cuda_dropout())
-        stack.enter_context(patch_sdpa(compute_capability=compute_capability))
+        stack.enter_context(patch_sdpa(compute_capability=compute_capability, num_sms=num_sms))
         if autocast_dtype is not None:
             from llmem_plugin.emulation.autocast import cuda_autocast_policy
 

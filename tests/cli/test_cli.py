@@ -32,18 +32,44 @@ def test_estimate_runs_offline_on_every_catalog_model(capsys, monkeypatch, name)
     params, _ = catalog.count_parameters(catalog.load_config(name))
     assert data["params"] == params == data["trainable_params"]
     assert data["peak_phase"] in {"forward", "backward", "optimizer"}
-    assert sum(data["breakdown"].values()) == data["peak_allocated_bytes"]
+    assert sum(data["breakdown"].values()) == data["peak_tensor_bytes"]
     # Model states alone: weights + grads (+ two AdamW states in the param dtype).
     per_param = 2 + 2 + 4 if precision == "bf16" else 4 + 4 + 8
-    assert data["peak_allocated_bytes"] >= per_param * params
+    assert data["peak_tensor_bytes"] >= per_param * params
     assert data["seconds"] > 0
+
+
+def test_estimate_reports_three_numbers_per_gpu(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    ov = d["overheads"]
+    # H100 (sm90): two 32 MiB cuBLAS workspaces through the allocator
+    # (CublasHandlePool.cpp), each in its own 32 MiB segment (>= kMinLargeAlloc).
+    assert ov["cublas_workspace_bytes"] == 32 * 2**20 and ov["num_cublas_workspaces"] == 2
+    workspaces = 2 * ov["cublas_workspace_bytes"] + ov["cublaslt_workspace_bytes"]
+    assert d["peak_allocated_bytes"] >= d["peak_tensor_bytes"] + workspaces
+    assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"]
+    assert d["peak_reserved_bytes"] % (2 * 2**20) == 0  # every segment is a multiple of 2 MiB
+    assert d["device_total_bytes"] == d["peak_reserved_bytes"] + ov["cuda_context_bytes"] + ov["nccl_bytes"]
+    assert d["gpu"] == "h100-sxm" and d["capacity_bytes"] == 81559 * 2**20 and d["fits"] is True
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--gpu", "a100-80gb", "--json")
+    # Ampere under torch 2.13: the default 8 MiB + 128 KiB workspace.
+    assert json.loads(out)["overheads"]["cublas_workspace_bytes"] == 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def test_estimate_does_not_fit_a_tiny_gpu(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--gpu-memory", "1GiB", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["capacity_bytes"] == 2**30 and not d["fits"] and d["device_total_bytes"] > 2**30
 
 
 def test_estimate_table_lists_every_category(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128")
     assert code == 0
     for label in ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
-                  "peak allocated", "peak phase", "GiB"):
+                  "peak tensors", "peak phase", "GiB", "allocated", "reserved", "device total", "verdict"):
         assert label in out
 
 
