@@ -1,0 +1,261 @@
+"""The ground-truth workload matrix, as data.
+
+``GPU_CASES`` are real fine-tuning runs for one 80 GB GPU (H100 class): eight
+architectures from GPT-2 (124M) to Qwen3-30B-A3B (30.5B, LoRA in bf16, the
+largest catalog model whose step fits), seq 512..8192, batch 1..16, fp32,
+bf16 autocast and pure bf16, with and without gradient checkpointing and
+LoRA, eager and SDPA attention, foreach and fused AdamW, under the plain
+PyTorch loop ("torch") and HF Trainer ("hf-trainer").
+
+``edge=True`` cases sit near the capacity of an 80 GB H100 (see ``_EDGE``).
+Their ``note`` gives the estimator's prediction
+(``llmem_plugin.estimate(..., fast=True).peak_allocated_bytes``, 2026-11-22)
+and ``expect`` says which side of the line that puts them on.
+
+``CPU_CASES`` are tiny models (catalog config + ``config_overrides``, the idea
+of ``tests/conftest.py``'s TINY_CONFIGS) measured on the CPU by the project's
+own tracker, for the tests and for a one-minute smoke run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmem_plugin import catalog
+from llmem_plugin.workload import LoraSpec, Workload
+
+__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "Case", "case_config", "find"]
+
+RUNNERS = ("torch", "hf-trainer", "tracker-cpu")
+_EXPECT = (None, "fit", "oom", "boundary")
+# HF Trainer's optim names for the optimizers the estimator models
+# (transformers/training_args.py OptimizerNames); SGD and Adafactor there are
+# not the torch implementations step.make_optimizer builds, so they are excluded.
+TRAINER_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused"}
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One ground-truth run.
+
+    Attributes:
+        id: Unique, stable name; the ``id`` of the result row.
+        model: Catalog name (``llmem_plugin.catalog.names()``).
+        workload: The training step.
+        runner: "torch" (the plain loop ``llmem_plugin.step`` models),
+            "hf-trainer", or "tracker-cpu" (CPU cases).
+        edge: Chosen near the capacity of an 80 GB GPU.
+        expect: For edge cases: "fit", "oom" or "boundary" (within ~1 GiB).
+        note: Why the case is in the matrix (for edge cases: the prediction).
+        config_overrides: (key, value) pairs applied to the catalog config.
+    """
+
+    id: str
+    model: str
+    workload: Workload
+    runner: str = "torch"
+    edge: bool = False
+    expect: str | None = None
+    note: str = ""
+    config_overrides: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if catalog.lookup(self.model) != self.model:
+            raise ValueError(f"case {self.id}: {self.model!r} is not a catalog name; valid: {catalog.names()}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"case {self.id}: runner {self.runner!r}; valid: {RUNNERS}")
+        if self.runner == "hf-trainer" and self.workload.optimizer.value not in TRAINER_OPTIM:
+            raise ValueError(f"case {self.id}: hf-trainer runs {sorted(TRAINER_OPTIM)} only")
+        if self.expect not in _EXPECT or (self.expect is not None) != self.edge:
+            raise ValueError(f"case {self.id}: edge cases need expect in {_EXPECT[1:]}, others none")
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.config_overrides)
+
+    def config(self):
+        """The ``PretrainedConfig`` this case trains (see :func:`case_config`)."""
+        return case_config(self.model, self.overrides)
+
+
+def case_config(model: str, overrides: dict[str, Any] | None = None):
+    """The catalog config of ``model`` with ``overrides`` applied.
+
+    The config is rebuilt from the merged fields (rather than patched with
+    setattr) so derived fields such as ``head_dim`` follow the overrides; a
+    shorter layer count also cuts ``layer_types`` (as
+    ``llmem_plugin.modelbuild.set_num_layers`` does). ``llmem validate`` uses
+    this with a row's ``model`` and ``config_overrides``.
+    """
+    if not overrides:
+        return catalog.load_config(model)
+    import transformers
+
+    fields = catalog.config_dict(model)
+    fields.update(overrides)
+    depth = next((overrides[k] for k in _LAYER_KEYS if k in overrides), None)
+    if depth is not None and isinstance(fields.get("layer_types"), list):
+        fields["layer_types"] = fields["layer_types"][:depth]
+    # As catalog.load_config: transformers 5 renamed torch_dtype to dtype.
+    if "torch_dtype" in fields:
+        fields["dtype"] = fields.pop("torch_dtype")
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, optimizer: str = "adamw",
+          gc: bool = False, lora: LoraSpec | None = None, attn: str = "sdpa", runner: str = "torch",
+          expect: str | None = None, note: str = "", overrides: dict[str, Any] | None = None,
+          prefix: str = "") -> Case:
+    parts = [prefix + model, precision, f"s{seq}", f"b{batch}"]
+    parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + ["lora"] * (lora is not None) + [attn]
+    parts += [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
+    wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
+                  optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn)
+    return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
+                expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
+
+
+LORA = LoraSpec()  # rank 16, q/k/v/o: the estimator's and the CLI's default
+LORA_GPT2 = LoraSpec(target_modules=("c_attn",))
+LORA_PHI3 = LoraSpec(target_modules=("qkv_proj", "o_proj"))  # Phi-3 fuses q/k/v
+
+_BASE = [
+    # GPT-2 (124M; n_positions 1024) and OPT (learned positions up to 2048).
+    _case("gpt2", "fp32", 1024, 8),
+    _case("gpt2", "bf16-mixed", 1024, 16, attn="eager"),
+    _case("gpt2", "bf16-mixed", 512, 4, lora=LORA_GPT2, runner="hf-trainer"),
+    _case("opt-125m", "fp32", 2048, 4, attn="eager"),
+    _case("opt-125m", "bf16-mixed", 512, 16, optimizer="adamw-fused"),
+    _case("opt-1.3b", "bf16-mixed", 2048, 8, gc=True),
+    # Qwen2.5-0.5B: tied embeddings, 152k vocabulary (the loss dominates).
+    _case("qwen2.5-0.5b", "bf16-mixed", 2048, 4),
+    _case("qwen2.5-0.5b", "bf16", 4096, 2, optimizer="adamw-fused"),
+    _case("qwen2.5-0.5b", "fp32", 8192, 1, gc=True),
+    _case("qwen2.5-0.5b", "bf16-mixed", 1024, 8, attn="eager", runner="hf-trainer"),
+    # Llama-3.2-1B: the attention / runner / optimizer comparisons at one size.
+    _case("llama-3.2-1b", "fp32", 1024, 2),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, attn="eager"),  # s x s scores per head: 92 GiB at s2048
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, runner="hf-trainer"),
+    _case("llama-3.2-1b", "bf16", 4096, 4, gc=True, optimizer="adamw-fused"),
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, lora=LORA),
+    _case("llama-3.2-1b", "bf16-mixed", 2048, 16, gc=True),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 2, accum=4),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, optimizer="sgd"),
+    _case("llama-3.2-1b", "bf16", 1024, 4, optimizer="adafactor"),
+    # Llama-3.2-3B.
+    _case("llama-3.2-3b", "bf16-mixed", 2048, 1),
+    _case("llama-3.2-3b", "bf16", 8192, 2, gc=True),
+    _case("llama-3.2-3b", "bf16-mixed", 8192, 2, gc=True, lora=LORA, runner="hf-trainer"),
+    _case("llama-3.2-3b", "fp32", 2048, 2, lora=LORA),
+    # Gemma-2 (256k vocabulary, logit soft-capping; transformers has no SDPA path for it).
+    _case("gemma-2-2b", "bf16-mixed", 1024, 2, attn="eager"),
+    _case("gemma-2-2b", "bf16", 4096, 1, gc=True, attn="eager", optimizer="adamw-fused"),
+    _case("gemma-2-2b", "bf16-mixed", 1024, 4, lora=LORA, attn="eager", runner="hf-trainer"),
+    _case("gemma-2-9b", "bf16", 2048, 4, gc=True, lora=LORA, attn="eager"),
+    # Phi-3-mini (fused qkv and gate_up projections; 4096 positions).
+    _case("phi-3-mini", "bf16", 2048, 2, optimizer="adamw-fused"),
+    _case("phi-3-mini", "bf16-mixed", 4096, 2, gc=True, lora=LORA_PHI3),
+    # 7-8B: LoRA, and pure-bf16 full fine-tuning with fused AdamW.
+    _case("mistral-7b", "bf16", 4096, 4, gc=True, lora=LORA),
+    _case("mistral-7b", "bf16-mixed", 1024, 1, lora=LORA, attn="eager"),
+    _case("qwen2.5-7b", "bf16", 1024, 2, lora=LORA, attn="eager"),
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, lora=LORA),
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, lora=LORA, runner="hf-trainer"),
+    _case("llama-3.1-8b", "bf16", 8192, 1, gc=True, optimizer="adamw-fused"),
+    # Larger models, LoRA only: 13B dense, and a 30B MoE (61 GiB of bf16 weights).
+    _case("llama-2-13b", "bf16", 4096, 4, gc=True, lora=LORA),
+    _case("qwen3-30b-a3b", "bf16", 2048, 1, gc=True, lora=LORA),
+]
+
+# Near the capacity of an 80 GB H100. nvidia-smi reports 81559 MiB (79.65 GiB);
+# CUDA's own total (the "total capacity" of an OOM message) is about 79.1 GiB,
+# and the CUDA context takes roughly 0.5 GiB of that (figures from memory of
+# H100 runs, to be replaced by the rows' gpu.memory_bytes and idle numbers).
+# So a predicted allocated peak below ~77 GiB should fit, above ~79 GiB should
+# not, and in between fragmentation decides.
+_EDGE = [
+    _case("llama-3.1-8b", "bf16", 512, 1, expect="fit",
+          note="74.79 GiB predicted, at the optimizer step: 2+2+4 B/param + 2 B/param foreach temporary"),
+    _case("llama-3.1-8b", "bf16", 512, 1, runner="hf-trainer", expect="fit",
+          note="as the torch case; Trainer splits decay/no-decay groups, so foreach temporaries come per group"),
+    _case("llama-3.1-8b", "bf16", 4096, 1, optimizer="adamw-fused", expect="fit",
+          note="75.39 GiB predicted, in backward (no foreach temporary; activations of 4096 tokens)"),
+    _case("llama-3.1-8b", "bf16", 5120, 1, optimizer="adamw-fused", expect="oom",
+          note="83.02 GiB predicted, in backward: 1024 tokens more than the fitting case"),
+    _case("llama-3.1-8b", "bf16-mixed", 8192, 3, gc=True, lora=LORA, expect="boundary",
+          note="78.66 GiB predicted, in backward: fp32 weights + fp32 logits of 3x8192x128k tokens"),
+    _case("llama-3.2-3b", "bf16-mixed", 2048, 3, expect="fit",
+          note="76.81 GiB predicted, in backward: 20 B/param states + 6144 tokens of activations"),
+    _case("llama-3.2-3b", "bf16-mixed", 3584, 2, expect="oom",
+          note="82.63 GiB predicted, in backward: 7168 tokens, 1024 more than the fitting case"),
+    _case("mistral-7b", "bf16", 8192, 7, gc=True, optimizer="adamw-fused", expect="fit",
+          note="76.79 GiB predicted, in backward: 8 B/param + checkpointed activations of 7 x 8192 tokens"),
+    _case("mistral-7b", "bf16", 8192, 8, gc=True, optimizer="adamw-fused", expect="oom",
+          note="81.97 GiB predicted, in backward: one sequence more than the fitting case"),
+    _case("qwen2.5-7b", "bf16", 8192, 2, gc=True, expect="fit",
+          note="73.90 GiB predicted, in backward; the foreach optimizer step is 70.93 GiB"),
+]
+
+GPU_CASES: list[Case] = _BASE + _EDGE
+
+
+def _tiny(**extra: Any) -> dict[str, Any]:
+    # As tests/conftest.py TINY_CONFIGS: 2 layers, hidden 64, GQA 4/2 heads, vocab 512.
+    return {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 512, **extra}
+
+
+_TINY = {
+    "llama-3.2-1b": _tiny(head_dim=16),
+    "qwen2.5-0.5b": _tiny(),
+    "mistral-7b": _tiny(head_dim=16),
+    "gemma-2-2b": _tiny(head_dim=16),
+    # The published special-token ids (32000, 50256) lie past the tiny vocabulary.
+    "phi-3-mini": _tiny(pad_token_id=0, eos_token_id=0),
+    "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "bos_token_id": 0, "eos_token_id": 0},
+    "opt-125m": {"num_hidden_layers": 2, "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
+                 "word_embed_proj_dim": 64, "vocab_size": 512},
+}
+
+
+def _cpu(model: str, precision: str, seq: int, batch: int, **kw: Any) -> Case:
+    return _case(model, precision, seq, batch, runner="tracker-cpu", overrides=_TINY[model], prefix="tiny-", **kw)
+
+
+CPU_CASES: list[Case] = [
+    _cpu("llama-3.2-1b", "bf16-mixed", 64, 2),
+    _cpu("llama-3.2-1b", "bf16", 64, 2, gc=True, optimizer="adamw-fused"),
+    _cpu("qwen2.5-0.5b", "fp32", 64, 2, lora=LoraSpec(rank=4)),
+    _cpu("gpt2", "bf16-mixed", 64, 2, attn="eager", lora=LoraSpec(rank=4, target_modules=("c_attn",))),
+    _cpu("opt-125m", "fp32", 32, 2, accum=2),
+    _cpu("mistral-7b", "bf16", 64, 1, gc=True, lora=LoraSpec(rank=4)),
+    _cpu("gemma-2-2b", "bf16-mixed", 64, 1, attn="eager"),
+    _cpu("phi-3-mini", "fp32", 32, 2, lora=LoraSpec(rank=4, target_modules=("qkv_proj", "o_proj"))),
+]
+
+
+def find(ids: list[str], cases: list[Case]) -> list[Case]:
+    """The cases named by ``ids``, in that order.
+
+    Raises:
+        ValueError: An id names no case; the message lists the valid ones.
+    """
+    by_id = {c.id: c for c in cases}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise ValueError(f"unknown case id(s) {', '.join(unknown)}; valid: {', '.join(by_id)}. "
+                         "HINT: python -m benchmarks.groundtruth.run --list")
+    return [by_id[i] for i in ids]
+
+
+def _check_unique(cases: list[Case]) -> None:
+    seen: set[str] = set()
+    for c in cases:
+        assert c.id not in seen, f"duplicate case id {c.id}"
+        seen.add(c.id)
+
+
+_check_unique(GPU_CASES + CPU_CASES)
