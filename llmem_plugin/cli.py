@@ -165,6 +165,35 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parser_validate(sub) -> None:
+    p = sub.add_parser("validate", help="re-predict measured runs (ground-truth JSONL) and report the % error")
+    p.add_argument("file", metavar="FILE.jsonl", help="rows written by benchmarks/groundtruth")
+    p.add_argument("--gpu", default=None, help="predict CUDA rows for this catalog GPU instead of each row's own")
+    p.add_argument("--fast", action="store_true", help="predict with the layer-extrapolating fast mode")
+    p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
+    p.set_defaults(func=_cmd_validate)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from llmem_plugin.validate import load_rows, validate_rows
+
+    rows = load_rows(args.file)
+    if args.gpu:
+        from llmem_plugin.gpus import get_gpu
+
+        get_gpu(args.gpu)  # a bad name is bad input, not a per-row failure
+    report = validate_rows(rows, fast=args.fast, gpu=args.gpu)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_validation
+
+        render_validation(report, Console())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmem", description="Peak GPU memory of LLM fine-tuning, predicted before the job starts."
@@ -172,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _parser_estimate(sub)
     _parser_models(sub)
+    _parser_validate(sub)
     _parser_gpus(sub)
     return parser
 

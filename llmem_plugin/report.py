@@ -8,9 +8,11 @@ from rich.console import Console
 from rich.table import Table
 
 from llmem_plugin.estimate import Estimate
+from llmem_plugin.validate import METRICS, ValidationReport
 from llmem_plugin.tracker import MemoryCategory, Phase
 
-__all__ = ["gib", "render_estimate", "render_gpus", "render_models"]
+__all__ = [
+    "render_validation","gib", "render_estimate", "render_gpus", "render_models"]
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
 
@@ -103,3 +105,49 @@ def render_gpus(rows: Sequence[dict], console: Console) -> None:
                       _tflops(r["bf16_tflops"]), _tflops(r["fp16_tflops"]), _tflops(r["fp32_tflops"]),
                       f"{r['memory_bandwidth_gbps']:,.0f}", r["link"], f"{r['link_bandwidth_gbps']:,.0f}")
     console.print(table)
+
+
+def _signed(v: float | None) -> str:
+    return "" if v is None else f"{v:+.2f}%"
+
+
+def render_validation(report: ValidationReport, console: Console) -> None:
+    """Print each row's measured / predicted size and signed % error, then the summary."""
+    sizes = [v for r in report.rows for d in (r.measured, r.predicted) for v in d.values() if v]
+    unit, div = ("GiB", _GIB) if sizes and max(sizes) >= _GIB else ("MiB", 2**20)
+    table = Table(title=f"measured / predicted {unit}, error = (predicted - measured) / measured",
+                  title_justify="left")
+    table.add_column("row", overflow="fold")
+    table.add_column("status")
+    for m in METRICS:
+        table.add_column(m.replace("_", " "), justify="right")
+    table.add_column("fits meas/pred")
+    for r in report.rows:
+        cells = [r.id + (" (edge)" if r.edge else ""), r.status]
+        for m in METRICS:
+            meas, pred = r.measured[m], r.predicted[m]
+            if meas is None and pred is None:
+                cells.append("")
+                continue
+            text = " / ".join("-" if v is None else f"{v / div:,.2f}" for v in (meas, pred))
+            cells.append(f"{text} {_signed(r.error_pct[m])}".strip())
+        fits = "" if r.fits_measured is None else f"{r.fits_measured}/{r.fits_predicted}"
+        table.add_row(*cells, fits)
+    console.print(table)
+    for r in report.rows:
+        if r.note:
+            console.print(f"{r.id}: {r.note}")
+    summary = Table(title="summary (under = under-estimate, the direction that causes OOM)", title_justify="left")
+    for col in ("metric", "rows", "mean |err|", "max |err|", "max under", "mean signed", "rows under"):
+        summary.add_column(col, justify="left" if col == "metric" else "right")
+
+    def pct(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}%"
+
+    for m, st in report.summary.items():
+        summary.add_row(m.replace("_", " "), str(st.num_rows), pct(st.mean_abs_pct), pct(st.max_abs_pct),
+                        pct(st.max_under_pct), _signed(st.mean_signed_pct), str(st.num_under))
+    console.print(summary)
+    acc = "no edge rows" if report.fits_accuracy is None else (
+        f"{100 * report.fits_accuracy:.0f}% of {report.num_edge_rows} edge rows")
+    console.print(f"fits/OOM verdict: {acc}")

@@ -33,7 +33,6 @@ _EXPECT = (None, "fit", "oom", "boundary")
 # (transformers/training_args.py OptimizerNames); SGD and Adafactor there are
 # not the torch implementations step.make_optimizer builds, so they are excluded.
 TRAINER_OPTIM = {"adamw": "adamw_torch", "adamw-fused": "adamw_torch_fused"}
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,19 +88,7 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
     ``llmem_plugin.modelbuild.set_num_layers`` does). ``llmem validate`` uses
     this with a row's ``model`` and ``config_overrides``.
     """
-    if not overrides:
-        return catalog.load_config(model)
-    import transformers
-
-    fields = catalog.config_dict(model)
-    fields.update(overrides)
-    depth = next((overrides[k] for k in _LAYER_KEYS if k in overrides), None)
-    if depth is not None and isinstance(fields.get("layer_types"), list):
-        fields["layer_types"] = fields["layer_types"][:depth]
-    # As catalog.load_config: transformers 5 renamed torch_dtype to dtype.
-    if "torch_dtype" in fields:
-        fields["dtype"] = fields.pop("torch_dtype")
-    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return catalog.load_config(model, overrides)
 
 
 def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, optimizer: str = "adamw",

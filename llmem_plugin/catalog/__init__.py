@@ -195,11 +195,17 @@ def config_dict(name: str) -> dict[str, Any]:
     return copy.deepcopy(_raw_config(_resolve(name)))
 
 
-def load_config(name: str) -> transformers.PretrainedConfig:
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def load_config(name: str, overrides: dict[str, Any] | None = None) -> transformers.PretrainedConfig:
     """Build the ``transformers`` config of a catalog model, offline.
 
     Args:
         name: A catalog name, alias or Hub id (case-insensitive).
+        overrides: Config fields to replace before the config is built, so
+            derived fields (``head_dim``) follow them; a smaller layer count
+            also cuts ``layer_types`` to match.
 
     Returns:
         The config built by ``AutoConfig.for_model(model_type, **fields)``;
@@ -211,6 +217,11 @@ def load_config(name: str) -> transformers.PretrainedConfig:
     import transformers
 
     fields = config_dict(name)
+    if overrides:
+        fields.update(overrides)
+        depth = next((overrides[k] for k in _LAYER_KEYS if k in overrides), None)
+        if depth is not None and isinstance(fields.get("layer_types"), list):
+            fields["layer_types"] = fields["layer_types"][:depth]
     model_type = fields.pop("model_type")
     # The published files say "torch_dtype"; transformers 5 renamed it "dtype" and
     # warns on the old key (transformers/configuration_utils.py).

@@ -1,0 +1,254 @@
+"""``llmem validate``: re-predict measured runs and report the error.
+
+Reads the JSONL rows of the ground-truth harness (benchmarks/groundtruth,
+schema in its README), predicts each row's workload on the row's own GPU,
+torch version and ``PYTORCH_CUDA_ALLOC_CONF``, and compares:
+
+* **allocated** with ``torch.cuda.max_memory_allocated`` (on CPU rows: the
+  tracker's peak of live tensors, compared with the estimate's tensor peak);
+* **reserved** with ``torch.cuda.max_memory_reserved``;
+* **device total** with the device's used memory from NVML, less what the
+  device used before the run started (``gpu.idle_used_bytes``).
+
+Errors are signed, ``(predicted - measured) / measured`` in percent; a
+negative error is an under-estimate, the direction that causes OOM. Rows run
+at the edge of capacity (``edge``) also score the fits/OOM verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmem_plugin.errors import ConfigError, LLMemError
+
+__all__ = ["METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "load_rows", "validate_rows"]
+
+METRICS = ("allocated", "reserved", "device_total")
+_MEASURED_KEY = {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "device_total": "device_total_bytes"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowCheck:
+    """One measured row against its prediction.
+
+    Attributes:
+        id: The row's id.
+        runner: ``torch``, ``hf-trainer`` or ``tracker-cpu``.
+        status: The run's outcome: ``ok``, ``oom`` or ``error``.
+        edge: Whether the row was run at the edge of capacity.
+        measured: Bytes per metric (None where not measured).
+        predicted: Bytes per metric (None where not predicted).
+        error_pct: Signed % error per metric, on ``ok`` rows with both numbers.
+        fits_predicted: The estimate's verdict (None if not predicted).
+        fits_measured: True for ``ok``, False for ``oom``, None otherwise.
+        note: Why a row was skipped or not predicted ("" if it was).
+    """
+
+    id: str
+    runner: str
+    status: str
+    edge: bool
+    measured: dict[str, int | None]
+    predicted: dict[str, int | None]
+    error_pct: dict[str, float | None]
+    fits_predicted: bool | None
+    fits_measured: bool | None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricSummary:
+    """Error statistics of one metric over the rows that have it.
+
+    Attributes:
+        num_rows: Rows compared.
+        mean_abs_pct: Mean absolute % error.
+        max_abs_pct: Largest absolute % error.
+        max_under_pct: Largest under-estimate, as a positive % (0 if none).
+        mean_signed_pct: Mean signed % error (negative: under on average).
+        num_under: Rows under-estimated.
+    """
+
+    num_rows: int
+    mean_abs_pct: float | None
+    max_abs_pct: float | None
+    max_under_pct: float | None
+    mean_signed_pct: float | None
+    num_under: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationReport:
+    """All rows checked, and the summary.
+
+    Attributes:
+        rows: One :class:`RowCheck` per input row, in order.
+        summary: A :class:`MetricSummary` per metric of :data:`METRICS`.
+        fits_accuracy: Fraction of edge rows whose fits/OOM verdict was right
+            (None without edge rows).
+        num_edge_rows: Edge rows scored.
+    """
+
+    rows: list[RowCheck]
+    summary: dict[str, MetricSummary]
+    fits_accuracy: float | None
+    num_edge_rows: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        summary: dict[str, Any] = {m: s.to_dict() for m, s in self.summary.items()}
+        summary["fits_accuracy"] = self.fits_accuracy
+        summary["num_edge_rows"] = self.num_edge_rows
+        return {"rows": [r.to_dict() for r in self.rows], "summary": summary}
+
+
+def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a JSONL file of harness rows.
+
+    Raises:
+        ConfigError: The file is missing, or a line is not a JSON object with
+            the schema's keys.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read '{path}': {e.strerror}. HINT: pass a JSONL file of the ground-truth harness")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg}). HINT: one JSON object per line") from None
+        missing = [k for k in ("id", "model", "workload", "status", "measured", "device") if k not in row]
+        if not isinstance(row, dict) or missing:
+            raise ConfigError(
+                f"{path}:{n} lacks {', '.join(missing) or 'an object'}. "
+                "HINT: rows follow the schema in benchmarks/groundtruth/README.md"
+            )
+        rows.append(row)
+    return rows
+
+
+def _workload(d: dict[str, Any]):
+    from llmem_plugin.workload import LoraSpec, Workload
+
+    d = dict(d)
+    lora = d.pop("lora", None)
+    if lora:
+        lora = LoraSpec(
+            rank=lora["rank"], alpha=lora.get("alpha"), dropout=lora.get("dropout", 0.0),
+            target_modules=tuple(lora.get("target_modules") or LoraSpec().target_modules),
+        )
+    return Workload(**d, lora=lora)
+
+
+def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
+    from llmem_plugin import catalog
+    from llmem_plugin.estimate import estimate
+    from llmem_plugin.gpus import get_gpu, match_device_name
+
+    config = catalog.load_config(row["model"], row.get("config_overrides") or None)
+    wl = _workload(row["workload"])
+    env = row.get("env") or {}
+    if row["device"] == "cpu":
+        est = estimate(config, wl, fast=fast, torch_version=env.get("torch"))
+        return {"allocated": est.peak_tensor_bytes, "reserved": None, "device_total": None}, None
+    info = row.get("gpu") or {}
+    gpu = get_gpu(gpu_name) if gpu_name else match_device_name(info.get("name", ""))
+    if gpu is None:
+        raise ConfigError(
+            f"row '{row['id']}': GPU '{info.get('name')}' is not in the catalog. HINT: pass --gpu with the closest entry"
+        )
+    capacity = info.get("memory_bytes")
+    if capacity is not None:
+        capacity -= info.get("idle_used_bytes") or 0
+    est = estimate(config, wl, fast=fast, gpu=gpu, gpu_memory=capacity,
+                   alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_version=env.get("torch"))
+    return {
+        "allocated": est.peak_allocated_bytes,
+        "reserved": est.peak_reserved_bytes,
+        "device_total": est.device_total_bytes,
+    }, est.fits
+
+
+def _measured(row: dict[str, Any]) -> dict[str, int | None]:
+    m = row.get("measured") or {}
+    out = {k: m.get(v) for k, v in _MEASURED_KEY.items()}
+    idle = (row.get("gpu") or {}).get("idle_used_bytes")
+    if out["device_total"] is not None and idle:
+        out["device_total"] -= idle  # what the device held before the run is not the run's
+    return out
+
+
+def _pct(pred: int | None, meas: int | None) -> float | None:
+    if pred is None or not meas:
+        return None
+    return 100.0 * (pred - meas) / meas
+
+
+def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None = None) -> RowCheck:
+    """Predict one row and compare (see :func:`validate_rows`)."""
+    status = row["status"]
+    measured = _measured(row)
+    fits_measured = {"ok": True, "oom": False}.get(status)
+    base = {"id": row["id"], "runner": row.get("runner", ""), "status": status, "edge": bool(row.get("edge")),
+            "measured": measured, "fits_measured": fits_measured}
+    if status == "error":
+        return RowCheck(**base, predicted=dict.fromkeys(METRICS), error_pct=dict.fromkeys(METRICS),
+                        fits_predicted=None, note=f"run failed: {row.get('error') or 'unknown'}")
+    try:
+        predicted, fits = _predict(row, fast=fast, gpu_name=gpu_name)
+    except LLMemError as e:
+        return RowCheck(**base, predicted=dict.fromkeys(METRICS), error_pct=dict.fromkeys(METRICS),
+                        fits_predicted=None, note=f"not predicted: {e}")
+    # An OOM row's peaks stop where the run died: they score only the verdict.
+    errors = {m: _pct(predicted[m], measured[m]) if status == "ok" else None for m in METRICS}
+    return RowCheck(**base, predicted=predicted, error_pct=errors, fits_predicted=fits)
+
+
+def _summary(values: list[float]) -> MetricSummary:
+    if not values:
+        return MetricSummary(num_rows=0, mean_abs_pct=None, max_abs_pct=None, max_under_pct=None,
+                             mean_signed_pct=None, num_under=0)
+    under = [-v for v in values if v < 0]
+    return MetricSummary(
+        num_rows=len(values),
+        mean_abs_pct=sum(abs(v) for v in values) / len(values),
+        max_abs_pct=max(abs(v) for v in values),
+        max_under_pct=max(under, default=0.0),
+        mean_signed_pct=sum(values) / len(values),
+        num_under=len(under),
+    )
+
+
+def validate_rows(rows: Iterable[dict[str, Any]], *, fast: bool = False, gpu: str | None = None) -> ValidationReport:
+    """Re-predict every row and summarise the errors.
+
+    Args:
+        rows: Harness rows (see :func:`load_rows`).
+        fast: Predict with the layer-extrapolating fast mode.
+        gpu: Catalog GPU to predict CUDA rows for, instead of matching each
+            row's device name.
+
+    Returns:
+        The :class:`ValidationReport`.
+    """
+    checks = [check_row(r, fast=fast, gpu_name=gpu) for r in rows]
+    summary = {m: _summary([c.error_pct[m] for c in checks if c.error_pct[m] is not None]) for m in METRICS}
+    scored = [c for c in checks if c.edge and c.fits_measured is not None and c.fits_predicted is not None]
+    accuracy = sum(c.fits_measured == c.fits_predicted for c in scored) / len(scored) if scored else None
+    return ValidationReport(rows=checks, summary=summary, fits_accuracy=accuracy, num_edge_rows=len(scored),
+                            skipped=[c.id for c in checks if c.note])
