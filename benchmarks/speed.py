@@ -49,8 +49,9 @@ def _one(case: dict) -> dict:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {**case, "seq_len": 2048, "batch_size": 1, "precision": est.workload.precision.value,
             "best_s": round(min(times), 3), "times_s": [round(x, 3) for x in times], "cold_s": round(cold, 3),
-            "max_rss_mb": round(rss_mb, 1), "peak_allocated_bytes": est.peak_allocated_bytes,
-            "peak_phase": est.peak_phase.value}
+            "max_rss_mb": round(rss_mb, 1), "peak_tensor_bytes": est.peak_tensor_bytes,
+            "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
+            "device_total_bytes": est.device_total_bytes, "peak_phase": est.peak_phase.value}
 
 
 def main() -> None:
@@ -70,7 +71,9 @@ def main() -> None:
     for r in rows:
         ref = full.get((r["model"], r.get("grad_checkpointing", False)))
         if r["fast"] and ref:
-            r["fast_vs_full_pct"] = round(100 * (r["peak_allocated_bytes"] / ref["peak_allocated_bytes"] - 1), 5)
+            for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+                name = key.removeprefix("peak_").removesuffix("_bytes")
+                r[f"fast_vs_full_{name}_pct"] = round(100 * (r[key] / ref[key] - 1), 5)
     date = dt.date.today().isoformat()
     record = {
         "date": date,

@@ -1,13 +1,18 @@
 """llmem_plugin: the peak GPU memory of a fine-tuning step, before it runs."""
 
+from llmem_plugin.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError
 from llmem_plugin.estimate import Estimate, estimate
+from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.tracker import MemoryCategory, Phase
 from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
 
 __all__ = [
     "estimate",
     "Estimate",
+    "GPU",
+    "get_gpu",
+    "AllocatorConfig",
     "Workload",
     "LoraSpec",
     "Precision",

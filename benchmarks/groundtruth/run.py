@@ -2,7 +2,7 @@
 
 From the repository root::
 
-    python -m benchmarks.groundtruth.run --device cuda --out benchmarks/results/groundtruth-h100-2026-11-22.jsonl
+    python -m benchmarks.groundtruth.run --device cuda --out benchmarks/groundtruth/data/groundtruth-h100-80gb-DATE.jsonl
     python -m benchmarks.groundtruth.run --device cuda --out rows.jsonl --only llama-3.1-8b-bf16-s512-b1-sdpa
     python -m benchmarks.groundtruth.run --device cpu --out rows.jsonl
     python -m benchmarks.groundtruth.run --list

@@ -54,3 +54,15 @@ def test_fast_equals_full_with_alternating_layers(gc):
     full = llmem_plugin.estimate(cfg, wl)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
     assert abs(fast.peak_allocated_bytes - full.peak_allocated_bytes) <= 1e-3 * full.peak_allocated_bytes
+
+
+def test_fast_leaves_a_close_verdict_to_the_full_trace():
+    cfg = tiny_config("llama", num_hidden_layers=7)
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
+    full = llmem_plugin.estimate(cfg, wl)
+    near = int(full.device_total_bytes * 1.01)  # within FAST_VERDICT_BAND of the need
+    est = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=near)
+    assert not est.fast and est.fits
+    assert est.peak_reserved_bytes == full.peak_reserved_bytes
+    roomy = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=2 * full.device_total_bytes)
+    assert roomy.fast and roomy.fits

@@ -21,8 +21,8 @@ import pytest
 
 from llmem_plugin import catalog
 from llmem_plugin.cli import EXIT_BAD_INPUT, main
-from llmem_plugin.estimate import estimate
 from llmem_plugin.errors import ConfigError
+from llmem_plugin.estimate import estimate
 from llmem_plugin.validate import check_row, load_rows, validate_rows
 from llmem_plugin.workload import Workload
 
