@@ -72,6 +72,17 @@ class _Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
+    def split(self, size: int) -> _Block:
+        """Keep the first ``size`` bytes; return the rest as a new block linked after this one."""
+        rest = _Block(self.addr + size, self.size - size, self.small, self.segment)
+        rest.mapped = self.mapped
+        rest.prev, rest.next = self, self.next
+        if self.next is not None:
+            self.next.prev = rest
+        self.next = rest
+        self.size = size
+        return rest
+
 
 @dataclass(eq=False)
 class _Segment:
@@ -267,13 +278,7 @@ class CachingAllocator:
                 )
         if self._should_split(block, size):
             # The request takes the low-address part; the remainder stays free.
-            rest = _Block(block.addr + size, block.size - size, block.small, block.segment)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            pool.insert(rest)
+            pool.insert(block.split(size))
         block.allocated = True
         block.requested = nbytes
         self._live[block.addr] = block
@@ -519,16 +524,9 @@ class CachingAllocator:
         if not self._fits_device(mapped):
             return False
         pool.erase_unmapped(blk)
-        blk.mapped = True
         if mapped < blk.size:
-            rest = _Block(blk.addr + mapped, blk.size - mapped, blk.small, blk.segment)
-            rest.mapped = False
-            rest.prev, rest.next = blk, blk.next
-            if blk.next is not None:
-                blk.next.prev = rest
-            blk.next = rest
-            blk.size = mapped
-            pool.insert_unmapped(rest)
+            pool.insert_unmapped(blk.split(mapped))  # the rest stays unmapped
+        blk.mapped = True
         self._try_merge(blk, blk.prev, pool)
         self._try_merge(blk, blk.next, pool)
         pool.insert(blk)
@@ -544,21 +542,12 @@ class CachingAllocator:
         if end <= start:
             return
         pool.erase(blk)
-        if start > blk.addr:
-            before = _Block(blk.addr, start - blk.addr, blk.small, blk.segment)
-            before.prev, before.next = blk.prev, blk
-            if blk.prev is not None:
-                blk.prev.next = before
-            blk.prev = before
+        if start > blk.addr:  # a partly used first page stays mapped and free
+            before, blk = blk, blk.split(start - blk.addr)
             pool.insert(before)
-        if blk.addr + blk.size > end:
-            after = _Block(end, blk.addr + blk.size - end, blk.small, blk.segment)
-            after.prev, after.next = blk, blk.next
-            if blk.next is not None:
-                blk.next.prev = after
-            blk.next = after
-            pool.insert(after)
-        blk.addr, blk.size, blk.mapped = start, end - start, False
+        if blk.addr + blk.size > end:  # likewise the last page
+            pool.insert(blk.split(end - blk.addr))
+        blk.mapped = False
         self._try_merge(blk, blk.prev, pool)
         self._try_merge(blk, blk.next, pool)
         pool.insert_unmapped(blk)
