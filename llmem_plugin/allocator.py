@@ -26,7 +26,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmem_plugin.allocator_config import (
-    LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     MIN_LARGE_ALLOC,
     ROUND_LARGE,
@@ -236,13 +235,13 @@ class CachingAllocator:
             return _roundup_power2_next_division(size, divisions)
         return -(-size // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 
-    @staticmethod
-    def allocation_size(size: int) -> int:
-        """get_allocation_size(): the cudaMalloc size for a rounded request."""
+    def allocation_size(self, size: int) -> int:
+        """get_allocation_size(): the cudaMalloc size for a rounded request
+        (kLargeBuffer is ``large_segment_size()`` from torch 2.11)."""
         if size <= SMALL_SIZE:
             return SMALL_BUFFER
         if size < MIN_LARGE_ALLOC:
-            return LARGE_BUFFER
+            return self.config.large_segment_bytes
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
     def _should_split(self, block: _Block, size: int) -> bool:
@@ -508,7 +507,8 @@ class CachingAllocator:
                 b = b.next
             if room >= size:
                 return c
-        page = SMALL_BUFFER if pool.small else LARGE_BUFFER  # ExpandableSegment segment_size
+        # ExpandableSegment segment_size: kSmallBuffer, or kLargeBuffer / large_segment_size().
+        page = SMALL_BUFFER if pool.small else self.config.large_segment_bytes
         seg = _Segment(base=self._next_base, expandable=True, page_bytes=page)
         self._next_base += _EXPANDABLE_ADDRESS_SPACE + _SEGMENT_GAP
         self.stats.segments.add(seg.base)

@@ -46,6 +46,7 @@ _IGNORED = {
     "graph_capture_record_stream_reuse",
 }
 _KNOWN = {
+    "large_segment_size_mb",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "garbage_collection_threshold",
@@ -74,6 +75,10 @@ class AllocatorConfig:
         garbage_collection_threshold: Fraction of the memory-fraction cap above
             which old cached segments are freed (0 = off).
         expandable_segments: Grow one segment per pool by mapping pages.
+        large_segment_bytes: Segment size for large-pool requests under
+            10 MiB, and the page size of large expandable segments
+            (kLargeBuffer, 20 MiB; ``large_segment_size_mb`` from torch 2.11,
+            c10/core/AllocatorConfig.h ``large_segment_size_``).
         backend: ``native`` or ``cudaMallocAsync`` (the latter is not modelled).
     """
 
@@ -82,6 +87,7 @@ class AllocatorConfig:
     roundup_power2_divisions: tuple[int, ...] = (0,) * _ROUNDUP_INTERVALS
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    large_segment_bytes: int = LARGE_BUFFER
     backend: str = "native"
 
     @property
@@ -113,6 +119,8 @@ class AllocatorConfig:
             parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
         if self.expandable_segments:
             parts.append("expandable_segments:True")
+        if self.large_segment_bytes != LARGE_BUFFER:
+            parts.append(f"large_segment_size_mb:{self.large_segment_bytes // _MiB}")
         if self.backend != "native":
             parts.append(f"backend:{self.backend}")
         return ",".join(parts)
@@ -182,7 +190,18 @@ def _parse_option(key: str, value: str) -> dict:
             )
         return {"max_split_size_bytes": mb * _MiB}
     if key == "max_non_split_rounding_mb":
-        return {"max_non_split_rounding_bytes": _int(key, value) * _MiB}
+        mb = _int(key, value)
+        # parseMaxNonSplitRoundingSize: must exceed kLargeBuffer / 1 MiB, like max_split_size_mb.
+        if mb <= LARGE_BUFFER // _MiB:
+            raise ConfigError(
+                f"max_non_split_rounding_mb:{mb} is too small; torch requires > {LARGE_BUFFER // _MiB}. HINT: e.g. 64"
+            )
+        return {"max_non_split_rounding_bytes": mb * _MiB}
+    if key == "large_segment_size_mb":
+        mb = _int(key, value)
+        if mb <= 0:
+            raise ConfigError(f"large_segment_size_mb:{mb} must be a positive number of MiB. HINT: e.g. 20")
+        return {"large_segment_bytes": mb * _MiB}
     if key == "garbage_collection_threshold":
         try:
             t = float(value)

@@ -236,7 +236,7 @@ def test_garbage_collection_needs_a_memory_fraction():
     assert with_fraction.stats.reserved < 96 * MiB
 
 
-@pytest.mark.parametrize("text", ["max_split_size_mb:10", "foo:1", "expandable_segments:yes",
+@pytest.mark.parametrize("text", ["max_split_size_mb:10", "max_non_split_rounding_mb:8", "foo:1", "expandable_segments:yes",
                                   "garbage_collection_threshold:1.5", "roundup_power2_divisions:3", "nonsense"])
 def test_bad_alloc_conf_is_a_config_error(text):
     with pytest.raises(ConfigError, match="HINT"):
@@ -271,3 +271,12 @@ def test_invariants_on_random_streams(ops, expandable):
         assert a.stats.allocated <= a.stats.reserved
         for seg in segs:  # no two free neighbours left unmerged
             assert not any(not u1 and not u2 for (_, u1), (_, u2) in itertools.pairwise(seg))
+
+
+def test_large_segment_size_option():
+    a = CachingAllocator(AllocatorConfig.from_env("large_segment_size_mb:32"))
+    a.malloc(5 * MiB)  # 1 MiB < request < 10 MiB: a large_segment_size segment (torch 2.11+)
+    assert a.stats.reserved == 32 * MiB
+    g = CachingAllocator(AllocatorConfig.from_env("large_segment_size_mb:32,expandable_segments:True"))
+    g.malloc(33 * MiB)  # expandable large pages are that size too
+    assert g.stats.reserved == 64 * MiB
