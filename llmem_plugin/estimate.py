@@ -17,7 +17,7 @@ from llmem_plugin.step import trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["DEFAULT_GPU", "Estimate", "allocator_events", "estimate"]
+__all__ = ["DEFAULT_GPU", "Estimate", "allocator_events", "estimate", "simulate_trace"]
 
 # Points kept in an Estimate's timeline; the full event stream of an 8B step
 # has tens of thousands of events.
@@ -222,7 +222,7 @@ def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | None) -> GPU:
     return g
 
 
-def _simulate(
+def simulate_trace(
     trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, capacity: int | None
 ) -> tuple[AllocatorResult, bool]:
     """Replay without a cap; when the result exceeds the GPU, replay again
@@ -246,7 +246,7 @@ def _extrapolated_simulation(ext: Any, config: AllocatorConfig, overheads: Devic
     peak allocated, and the reserved bytes held by its end) and the largest
     phase wins: the global peak can move between phases with depth.
     """
-    short, long = (_simulate(r, config, overheads, None)[0] for r in (ext.short, ext.long))
+    short, long = (simulate_trace(r, config, overheads, None)[0] for r in (ext.short, ext.long))
 
     def per_phase(attr: str) -> int:
         values = []
@@ -330,7 +330,7 @@ def estimate(
         ext = extrapolated_trace(model, wl, depth=depth, trace=trace)
         result = ext.result
         if ext.short is None:  # shallow enough to have been traced in full
-            sim, fits = _simulate(result, config, overheads, capacity)
+            sim, fits = simulate_trace(result, config, overheads, capacity)
         else:
             sim = _extrapolated_simulation(ext, config, overheads)
             total = sim.peak_reserved_bytes + overheads.outside_allocator_bytes
@@ -340,7 +340,7 @@ def estimate(
     if not fast:
         fast = False
         result = trace(full, wl)
-        sim, fits = _simulate(result, config, overheads, capacity)
+        sim, fits = simulate_trace(result, config, overheads, capacity)
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
     return Estimate(
         model=_describe(model),

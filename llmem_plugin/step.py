@@ -11,7 +11,7 @@ state (states alive during forward and backward) shows in the second
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -79,6 +79,7 @@ def trace_step(
     fake_mode=None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
     num_sms: int | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -92,6 +93,9 @@ def trace_step(
         compute_capability: GPU generation whose kernel choices to emulate.
         num_sms: The GPU's multiprocessor count (None: the default GPU of
             that generation).
+        wrap: A distributed wrapper to apply once the parameters are
+            registered (e.g. DDP); what it allocates is recorded as
+            communication buffers, and the step runs the wrapped module.
 
     Returns:
         The replayed trace.
@@ -106,6 +110,10 @@ def trace_step(
     with mode_ctx, tracker:
         tracker.register(params, MemoryCategory.PARAMETER)
         tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+        if wrap is not None:
+            start = tracker.num_records
+            model = wrap(model)
+            tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
         with cuda_emulation(
             autocast_dtype=workload.precision.autocast_dtype, compute_capability=compute_capability, num_sms=num_sms
         ):

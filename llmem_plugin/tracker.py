@@ -56,6 +56,8 @@ class MemoryCategory(str, Enum):
     ACTIVATION = "activations"
     TEMPORARY = "temporaries"
     INPUT = "inputs"
+    # Buffers a distributed engine keeps for communication (DDP gradient buckets).
+    COMM_BUFFER = "comm_buffers"
     # Tensors that exist in the traced CPU program but live in host memory in a
     # CUDA run (e.g. AdamW's `step` counters). Not counted on the device.
     HOST = "host"

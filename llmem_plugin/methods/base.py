@@ -1,0 +1,129 @@
+"""What every distributed method returns, and the shared path from a traced
+rank to its three numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.gpus import GPU
+from llmem_plugin.methods.layout import Layout
+from llmem_plugin.overheads import DeviceOverheads
+from llmem_plugin.tracker import TraceResult
+
+__all__ = ["MethodEstimate", "RankMemory", "rank_memory"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """One rank's peak memory.
+
+    Attributes:
+        rank: Global rank (ranks that differ are reported apart, e.g. rank 0
+            or the last rank of an uneven shard).
+        peak_tensor_bytes: Peak of live tensor storages.
+        peak_allocated_bytes: ``torch.cuda.max_memory_allocated`` on that rank.
+        peak_reserved_bytes: ``torch.cuda.max_memory_reserved`` on that rank.
+        device_total_bytes: Reserved + CUDA context + NCCL buffers.
+        fits: Whether the rank runs within the GPU's capacity.
+        breakdown: Tensor bytes per category at the tensor peak (category
+            values as keys; methods may add their own, e.g. "buckets").
+        host_bytes: CPU RAM this rank needs for offloaded states.
+    """
+
+    rank: int
+    peak_tensor_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    fits: bool
+    breakdown: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodEstimate:
+    """A distributed method's memory per rank and communication per step.
+
+    Attributes:
+        method: Registry name (``ddp``, ``fsdp``, ``zero3``, ...).
+        layout: The cluster layout.
+        ranks: The distinct ranks (at least one).
+        comm_intra_node_bytes: Bytes one rank sends per optimizer step over
+            the intra-node link.
+        comm_inter_node_bytes: Bytes one rank sends per step between nodes.
+        notes: Uneven-shard padding, rank-specific extras, settings applied.
+    """
+
+    method: str
+    layout: Layout
+    ranks: list[RankMemory]
+    comm_intra_node_bytes: int = 0
+    comm_inter_node_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankMemory:
+        """The rank with the largest device total (the one that OOMs first)."""
+        return max(self.ranks, key=lambda r: r.device_total_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        w = self.worst
+        return {
+            "method": self.method,
+            "tp": self.layout.tp,
+            "layout": self.layout.to_dict(),
+            "peak_allocated_bytes": w.peak_allocated_bytes,
+            "peak_reserved_bytes": w.peak_reserved_bytes,
+            "device_total_bytes": w.device_total_bytes,
+            "fits": all(r.fits for r in self.ranks),
+            "ranks": [r.to_dict() for r in self.ranks],
+            "comm_intra_node_bytes": self.comm_intra_node_bytes,
+            "comm_inter_node_bytes": self.comm_inter_node_bytes,
+            "notes": list(self.notes),
+        }
+
+
+def rank_memory(
+    trace: TraceResult,
+    *,
+    rank: int,
+    gpu: GPU,
+    overheads: DeviceOverheads,
+    alloc_conf: AllocatorConfig | None = None,
+    extra_breakdown: dict[str, int] | None = None,
+    host_bytes: int = 0,
+) -> RankMemory:
+    """The three numbers of one traced rank: its event stream replayed through
+    the caching-allocator simulation (with the cuBLAS workspaces), plus the
+    overheads outside the allocator (context, NCCL).
+
+    Args:
+        trace: The rank's trace (e.g. under a fake process group).
+        rank: Its global rank.
+        gpu: The GPU (capacity, architecture).
+        overheads: From :func:`llmem_plugin.overheads.device_overheads`, with
+            this rank's NCCL communicators.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` settings (defaults if None).
+        extra_breakdown: Method-specific bytes at the peak to report.
+        host_bytes: CPU RAM for offloaded states.
+    """
+    from llmem_plugin.estimate import simulate_trace
+
+    sim, fits = simulate_trace(trace, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
+    breakdown = {c.value: v for c, v in trace.breakdown.items()}
+    breakdown.update(extra_breakdown or {})
+    return RankMemory(
+        rank=rank,
+        peak_tensor_bytes=trace.peak_bytes,
+        peak_allocated_bytes=sim.peak_allocated_bytes,
+        peak_reserved_bytes=sim.peak_reserved_bytes,
+        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes,
+        fits=fits,
+        breakdown=breakdown,
+        host_bytes=host_bytes,
+    )

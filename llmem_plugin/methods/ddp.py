@@ -1,0 +1,166 @@
+"""``ddp``: ``torch.nn.parallel.DistributedDataParallel``, traced under a fake process group.
+
+The real DDP wrapper runs: its Reducer allocates the gradient buckets
+(``bucket_cap_mb``, 25 MiB by default, the first bucket 1 MiB:
+torch/nn/parallel/distributed.py, ``dist._DEFAULT_FIRST_BUCKET_BYTES``), copies
+gradients into them in backward and back out after the all-reduce, or, with
+``gradient_as_bucket_view``, makes the gradients views of the buckets. Under a
+fake process group three things cannot run and are replaced by what they do to
+memory:
+
+* ``_verify_param_shape_across_processes`` and ``_sync_module_states`` read
+  parameter data (fake tensors have none); they allocate nothing on the device
+  that outlives them, so they are skipped.
+* The fake group's all-reduce future carries no tensor; a comm hook returns the
+  bucket itself, as the default hook does after its in-place all-reduce
+  (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py,
+  ``_allreduce_fut``).
+* Bucket rebuilding at the second iteration broadcasts bucket indices and
+  reads them back; it is skipped, so the buckets keep their construction-time
+  grouping (reverse parameter order). The rebuilt buckets hold the same
+  gradients in readiness order, with the same total size.
+
+Known limitations:
+    * ``find_unused_parameters`` and ``static_graph`` are not offered.
+    * The plain loop all-reduces every micro-batch (no ``no_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.gpus import GPU
+from llmem_plugin.methods.base import MethodEstimate, rank_memory
+from llmem_plugin.methods.layout import Layout
+from llmem_plugin.workload import Workload
+
+__all__ = ["PRESETS", "estimate"]
+
+# torch/nn/parallel/distributed.py: DistributedDataParallel(bucket_cap_mb=None)
+# means 25 MiB; gradient_as_bucket_view defaults to False.
+PRESETS: dict[str, dict[str, Any]] = {"ddp": {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}}
+
+
+class _NoRebuild:
+    """The Reducer, with bucket rebuilding switched off (see the module docstring)."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _bucket_passthrough(state: Any, bucket: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP._check_comm_hook inspects the annotations as objects, not the strings
+# `from __future__ import annotations` leaves.
+_bucket_passthrough.__annotations__ = {
+    "state": object, "bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
+
+
+@contextlib.contextmanager
+def _no_data_reads() -> Iterator[None]:
+    from torch.nn.parallel import distributed as ddp_mod
+
+    saved = ddp_mod._verify_param_shape_across_processes, ddp_mod._sync_module_states
+    ddp_mod._verify_param_shape_across_processes = lambda *a, **k: None
+    ddp_mod._sync_module_states = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ddp_mod._verify_param_shape_across_processes, ddp_mod._sync_module_states = saved
+
+
+def _wrapper(bucket_cap_mb: float, gradient_as_bucket_view: bool):
+    def wrap(model: nn.Module) -> nn.Module:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view
+        )
+        ddp.register_comm_hook(None, _bucket_passthrough)
+        ddp.reducer = _NoRebuild(ddp.reducer)
+        return ddp
+
+    return wrap
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: a
+    reduce-scatter then an all-gather, each moving (n-1)/n of the data
+    (NCCL's ring algorithm, NCCL user guide "Collective Operations")."""
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+def estimate(
+    model: Any,
+    workload: Workload,
+    *,
+    layout: Layout,
+    gpu: GPU,
+    alloc_conf: AllocatorConfig | str | None = None,
+    torch_version: str | None = None,
+    preset: str = "ddp",
+    bucket_cap_mb: float = 25,
+    gradient_as_bucket_view: bool = False,
+    **_: Any,
+) -> MethodEstimate:
+    """Per-rank memory of DDP over ``layout.num_gpus`` ranks (all alike: rank 0 is traced).
+
+    Raises:
+        ConfigError: ``layout.tp`` is not 1.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem_plugin import modelbuild
+    from llmem_plugin.estimate import _uses_cublaslt, _vocab_size
+    from llmem_plugin.methods._fakepg import fake_process_group
+    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.step import trace_step
+
+    if layout.tp != 1:
+        raise ConfigError(f"--method {preset} replicates the whole model; got --tp {layout.tp}. HINT: use --tp 1 "
+                          "or --method dp-tp")
+    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    net = modelbuild.build_model(model, workload, device="meta")
+    if getattr(net, "config", None) is not None:
+        layout.check_model(net.config)
+    uses_lt = _uses_cublaslt(net)
+    vocab = _vocab_size(net)
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    modelbuild.fakeify(net, fake_mode)
+    with fake_process_group(layout.num_gpus, 0), _no_data_reads():
+        trace = trace_step(net, workload, vocab_size=vocab, fake_mode=fake_mode,
+                           compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
+                           wrap=_wrapper(bucket_cap_mb, gradient_as_bucket_view))
+    overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
+                                 nccl_world_sizes=(layout.num_gpus,))
+    rank = rank_memory(trace, rank=0, gpu=gpu, overheads=overheads, alloc_conf=config)
+    sent = workload.grad_accum_steps * ring_allreduce_bytes(grad_bytes, layout.num_gpus)
+    notes = [f"buckets of {bucket_cap_mb} MiB (first 1 MiB), gradient_as_bucket_view={gradient_as_bucket_view}",
+             "all-reduce every micro-batch (no no_sync)"]
+    return MethodEstimate(
+        method=preset,
+        layout=layout,
+        ranks=[rank],
+        comm_intra_node_bytes=sent,
+        # A ring over several nodes crosses between them; the rank at each
+        # crossing sends its whole share over the inter-node link.
+        comm_inter_node_bytes=sent if layout.num_nodes > 1 else 0,
+        notes=notes,
+    )
