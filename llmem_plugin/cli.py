@@ -84,13 +84,76 @@ def _parser_estimate(sub) -> None:
     p = sub.add_parser("estimate", help="peak GPU memory of one fine-tuning step on one GPU")
     _add_workload_args(p)
     _add_target_args(p)
+    p.add_argument("--method", default=None,
+                   help="distributed method (`--method help` lists them), or 'all' for every one that "
+                        "applies (the default when --gpus/--tp/--nodes/--offload is given); default: one GPU")
+    p.add_argument("--gpus", type=int, default=None, help="world size: GPUs over all nodes (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, inside a node (default 1)")
+    p.add_argument("--offload", choices=("optimizer", "params"), default=None,
+                   help="CPU offload: optimizer states, or parameters too (ZeRO, FSDP)")
     p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)
 
 
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from llmem_plugin.errors import ConfigError, LLMemError
+    from llmem_plugin.methods import Layout, estimate_method, method_names
+
+    layout = Layout(num_gpus=1 if args.gpus is None else args.gpus, num_nodes=args.nodes, tp=args.tp)
+    names = method_names()
+    if args.method == "help":
+        print("methods: " + ", ".join([*names, "all"]))
+        return 0
+    if args.method != "all" and args.method not in names:
+        raise ConfigError(f"unknown method '{args.method}'; valid: {', '.join([*names, 'all'])}. "
+                          "HINT: pass --method with one of them")
+    options = {}
+    if args.offload:
+        options = {"offload_optimizer": True, "offload_param": args.offload == "params", "cpu_offload": True}
+    gpu, wl = _gpu(args), _workload(args)
+    rows, skipped = [], []
+    for name in names if args.method == "all" else [args.method]:
+        if args.offload and name not in _OFFLOAD_METHODS:
+            if args.method != "all":
+                raise ConfigError(f"--offload is not modelled for --method {name}. HINT: use one of "
+                                  f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
+            skipped.append((name, "no CPU offload"))
+            continue
+        try:
+            est = estimate_method(name, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,
+                                  torch_version=args.torch_version, **options)
+        except LLMemError as e:
+            if args.method != "all":
+                raise
+            skipped.append((name, str(e).split(". HINT")[0]))
+            continue
+        rows.append(est)
+    if args.json:
+        print(json.dumps({"gpu": gpu.name, "capacity_bytes": gpu.capacity_bytes, "layout": layout.to_dict(),
+                          "methods": [r.to_dict() for r in rows],
+                          "skipped": [{"method": n, "reason": why} for n, why in skipped]}))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_methods
+
+        render_methods(rows, skipped, gpu, Console())
+    return 0
+
+
+# Methods that model CPU offload (ZeRO's offload_optimizer/offload_param, FSDP2's CPUOffloadPolicy).
+_OFFLOAD_METHODS = ("fsdp", "hsdp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from llmem_plugin.estimate import estimate
+
+    if args.method is not None or args.gpus not in (None, 1) or args.tp != 1 or args.nodes != 1 or args.offload:
+        if args.method is None:  # a cluster without a method: compare them all
+            args.method = "all"
+        return _cmd_methods(args)
 
     est = estimate(args.model, _workload(args), fast=args.fast, gpu=_gpu(args), alloc_conf=args.alloc_conf,
                    torch_version=args.torch_version)

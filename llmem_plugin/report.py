@@ -12,6 +12,7 @@ from llmem_plugin.validate import METRICS, ValidationReport
 from llmem_plugin.tracker import MemoryCategory, Phase
 
 __all__ = [
+    "render_methods",
     "render_validation","gib", "render_estimate", "render_gpus", "render_models"]
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
@@ -151,3 +152,24 @@ def render_validation(report: ValidationReport, console: Console) -> None:
     acc = "no edge rows" if report.fits_accuracy is None else (
         f"{100 * report.fits_accuracy:.0f}% of {report.num_edge_rows} edge rows")
     console.print(f"fits/OOM verdict: {acc}")
+
+
+def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, console: Console) -> None:
+    """Print one row per distributed method: the worst rank's three numbers and the verdict."""
+    table = Table(title=f"per rank on {gpu.name} ({gib(gpu.capacity_bytes)} GiB); GiB", title_justify="left")
+    for col in ("method", "gpus", "tp", "rank", "allocated", "reserved", "device total", "fits",
+                "comm/step intra", "inter"):
+        table.add_column(col, justify="left" if col in ("method", "fits") else "right")
+    for est in rows:
+        w = est.worst
+        fits = all(r.fits for r in est.ranks)
+        table.add_row(est.method, str(est.layout.num_gpus), str(est.layout.tp), str(w.rank),
+                      gib(w.peak_allocated_bytes), gib(w.peak_reserved_bytes), gib(w.device_total_bytes),
+                      "yes" if fits else "NO", gib(est.comm_intra_node_bytes), gib(est.comm_inter_node_bytes),
+                      style=None if fits else "red")
+    console.print(table)
+    for est in rows:
+        for note in est.notes:
+            console.print(f"{est.method}: {note}")
+    for name, why in skipped:
+        console.print(f"{name}: not applicable ({why})")

@@ -1,0 +1,52 @@
+"""`llmem estimate --method ...`: per-method rows, JSON keys, layout errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmem_plugin.cli import EXIT_BAD_INPUT, main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_method_all_json_rows(capsys):
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", "--gpus", "2", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["layout"] == {"num_gpus": 2, "num_nodes": 1, "tp": 1, "dp": 2}
+    names = [r["method"] for r in d["methods"]]
+    assert "ddp" in names and "single" not in names  # single needs one GPU
+    assert any(s["method"] == "single" for s in d["skipped"])
+    for row in d["methods"]:
+        for key in ("method", "tp", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "fits"):
+            assert key in row
+        assert row["peak_reserved_bytes"] >= row["peak_allocated_bytes"]
+        assert row["device_total_bytes"] > row["peak_reserved_bytes"]
+
+
+def test_single_method_matches_plain_estimate(capsys):
+    _, plain, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", "--json")
+    _, meth, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", "--method", "single", "--json")
+    p, m = json.loads(plain), json.loads(meth)["methods"][0]
+    assert (m["peak_allocated_bytes"], m["device_total_bytes"]) == (p["peak_allocated_bytes"], p["device_total_bytes"])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "ddp", "--gpus", "6", "--nodes", "4"], "not a multiple of --nodes"),
+    (["--method", "ddp", "--gpus", "4", "--tp", "3"], "must divide the 4 GPUs of a node"),
+    (["--method", "ddp", "--gpus", "8", "--nodes", "2", "--tp", "8"], "stays inside one node"),
+    (["--method", "ddp", "--gpus", "2", "--tp", "2"], "--tp"),
+    (["--method", "ddp", "--gpus", "2", "--offload", "optimizer"], "--offload is not modelled"),
+    (["--method", "ddp", "--gpus", "0"], "num_gpus must be a positive integer"),
+])
+def test_layout_errors_exit_2(capsys, argv, fragment):
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", *argv)
+    assert code == EXIT_BAD_INPUT
+    assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
