@@ -1,0 +1,1092 @@
+"""``zero1``, ``zero2``, ``zero3`` (+ ``-offload``): DeepSpeed ZeRO per rank.
+
+DeepSpeed cannot run under fake tensors, so its buffers are *modelled*: the
+model's real forward and backward run under the tracker (in the 16-bit dtype
+DeepSpeed casts the parameters to, without autocast), and hooks placed where
+DeepSpeed places its own allocate DeepSpeed's buffers as fake tensors in
+program order. The event stream therefore holds the model's activations and
+temporaries as traced and DeepSpeed's buffers as modelled, and goes through
+the caching-allocator replay (:func:`llmem_plugin.methods.base.rank_memory`);
+all three numbers come from that replay. Rules, read in DeepSpeed 0.19.8
+(``deepspeed/runtime/zero/``; file and function named beside each):
+
+* ZeRO-1/2 (``stage_1_and_2.py``, ``DeepSpeedZeroOptimizer.__init__``): each
+  optimizer param group (HF Trainer: decay / no-decay, trainable only) is
+  flattened into one 16-bit buffer padded to ``2 * dp`` elements
+  (``nccl_start_alignment_factor``), split into ``dp`` equal partitions; the
+  rank's partition is cloned into fp32 master weights; Adam's m and v follow
+  at the first step. Gradients: a ``reduce_bucket_size`` bucket (two with
+  ``overlap_comm``; ``setup_buckets``) per backward, each bucket flattened and
+  all-reduced (``allreduce_bucket``), and the rank's own gradients copied into
+  ``grads_in_partition`` (all params touching the partition, whole). Stage 1
+  keeps every full 16-bit gradient until the accumulation boundary
+  (``reduce_gradients``); stage 2 reduces in the backward hooks and, with
+  gradient accumulation, keeps the first micro-step's partition buffer and
+  adds later ones into it (``independent_gradient_partition_epilogue``). The
+  step flattens the partition gradients and casts them to fp32 per group; the
+  updated params are all-gathered in place (runtime/utils.py
+  ``all_gather_dp_groups`` uses ``all_gather_into_tensor``), so
+  ``allgather_bucket_size`` allocates nothing.
+* ZeRO-3 (``stage3.py``, ``partition_parameters.py``,
+  ``partitioned_param_coordinator.py``): every parameter keeps a
+  ``ceil(numel / dp)`` partition; those of trainable params are defragmented
+  into one buffer, and params of at most ``stage3_param_persistence_threshold``
+  elements stay whole. Each module with parameters gathers them before its
+  forward and backward and releases them after, with DeepSpeed's trace
+  rules: the first forward records the module order, later ones prefetch up
+  to ``stage3_prefetch_bucket_size`` (bounded by ``stage3_max_live_parameters``)
+  and keep params reused within ``stage3_max_reuse_distance``. Gradients go
+  through one persistent bucket into a persistent partition buffer
+  (``_setup_for_real_optimizer``); the step casts each sub group to fp32.
+* Offload (``offload_optimizer`` / ``offload_param`` device ``cpu``): master
+  weights, fp32 gradients and optimizer states (and with ZeRO-3 the 16-bit
+  gradient partitions, plus the parameter partitions with ``offload_param``)
+  live in host memory; they are counted in ``host_bytes``, not on the GPU.
+
+DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+``estimate_zero3_model_states_mem_needs``) count ``2P + 18P/n`` (ZeRO-2) and
+``4 * largest_layer + 18P/n`` (ZeRO-3) bytes; :func:`model_states` agrees
+where the rules coincide and differs where their formulas simplify:
+
+* ZeRO-2 16-bit gradients: they count ``2P/n``; DeepSpeed's buffer holds the
+  whole of every parameter touching the partition, so ours is larger by the
+  params straddling partition boundaries.
+* ZeRO-3: their ``18P/n`` holds one 16-bit term; DeepSpeed 0.19.8 keeps both
+  the 16-bit parameter partitions and a 16-bit gradient partition buffer,
+  so ours is ``2P/n`` larger; persistent params add their full size. Their
+  ``4 * largest_layer`` stands for gathered params and gradients, which the
+  trace holds as they happen (with DeepSpeed's reuse and prefetch rules).
+* Padding: they divide exactly; DeepSpeed pads (above).
+* Neither estimator holds activations, temporaries, buckets or the fp32
+  gradient cast at the step; the trace does.
+
+Known limitations:
+    * One stream: DeepSpeed's side streams (``overlap_comm``) delay frees
+      (``record_stream``); frees here happen at once.
+    * Fetch granularity follows DeepSpeed's default
+      (``stage3_module_granularity_threshold`` 0); gathers of parameters used
+      outside their module (``ds_external`` params) and the recompute
+      attribution of frozen params are not modelled.
+    * Small scratch tensors (norms, zero pads, overflow flags) are left out.
+    * fp16 is traced in bf16 (same element size); NVMe offload, quantized
+      weights or gradients, hpZ, ZenFlow and other listed options are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.gpus import GPU
+from llmem_plugin.methods.base import MethodEstimate, rank_memory
+from llmem_plugin.methods.layout import Layout
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
+from llmem_plugin.workload import OptimizerKind, Precision, Workload
+
+__all__ = ["PRESETS", "ZeroCategory", "ZeroConfig", "ZeroModelStates", "estimate", "model_states"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2-offload": {"stage": 2, "offload_optimizer": True},
+    "zero3-offload": {"stage": 3, "offload_optimizer": True, "offload_param": True},
+}
+
+# stage_1_and_2.py: nccl_start_alignment_factor = 2 ("4-byte alignment /
+# sizeof(fp16)"); each group's flat buffer is padded to a multiple of it * dp.
+_NCCL_START_ALIGNMENT = 2
+# Optimizer state bytes per fp32 master element: Adam m + v (fp32); SGD's
+# momentum; torch Adafactor keeps one full second moment for a 1-D (flat)
+# parameter (torch/optim/_adafactor.py, "row_var" only for ndim >= 2).
+_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.ADAMW_FUSED: 8, OptimizerKind.SGD: 4,
+                OptimizerKind.ADAFACTOR: 4}
+# zero_optimization keys that change buffers this module does not model.
+_REFUSED_TRUE = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+                 "round_robin_gradients", "parameter_alignment", "stage3_use_all_reduce_for_fetch_params",
+                 "use_all_reduce_for_fetch_params", "zenflow", "cpu_offload", "cpu_offload_param")
+
+
+class ZeroCategory(str, Enum):
+    """DeepSpeed's own buffers, beside :class:`MemoryCategory`."""
+
+    MASTER_WEIGHTS = "fp32_master_weights"
+    FP32_GRADIENTS = "fp32_gradients"
+    BUCKETS = "buckets"
+    GATHERED_PARAMS = "gathered_parameters"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """The ``zero_optimization`` settings that size buffers.
+
+    Defaults are ``DeepSpeedZeroConfig``'s (deepspeed/runtime/zero/config.py,
+    0.19.8); ``overlap_comm`` defaults to ``stage == 3`` (its validator).
+    """
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    reduce_bucket_size: int = 500_000_000
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None
+    use_multi_rank_bucket_allreduce: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = sys.maxsize
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    allgather_sequential: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ConfigError(f"ZeRO stage must be 1, 2 or 3, got {self.stage!r}. HINT: pick zero1, zero2 or zero3")
+        if self.offload_param and self.stage != 3:
+            raise ConfigError(f"offload_param needs ZeRO stage 3, got stage {self.stage} "
+                              "(DeepSpeed config docs: 'Valid only with stage 3'). HINT: use zero3-offload")
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
+    @classmethod
+    def from_deepspeed(cls, config: dict[str, Any] | None, *, stage: int, offload_optimizer: bool,
+                       offload_param: bool, hidden_size: int | None) -> ZeroConfig:
+        """Settings from a DeepSpeed config dict; ``"auto"`` values are filled
+        as HF Trainer fills them (transformers integrations/deepspeed.py,
+        ``trainer_config_finalize``): ``reduce_bucket_size = hidden**2``,
+        ``stage3_prefetch_bucket_size = int(0.9 * hidden**2)``,
+        ``stage3_param_persistence_threshold = 10 * hidden``.
+
+        Raises:
+            ConfigError: A stage that contradicts the method, an unknown "auto".
+            UnsupportedError: NVMe offload or an option that is not modelled.
+        """
+        zero = dict((config or {}).get("zero_optimization") or {})
+        if "stage" in zero and int(zero["stage"]) != stage:
+            raise ConfigError(f"the DeepSpeed config says zero_optimization.stage {zero['stage']} but the method is "
+                              f"ZeRO-{stage}. HINT: pick --method zero{zero['stage']} or fix the config")
+        for name in _REFUSED_TRUE:
+            if zero.get(name):
+                raise UnsupportedError(f"zero_optimization.{name} is not modelled. HINT: drop it to estimate")
+        if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+            raise UnsupportedError("zero_hpz_partition_size > 1 (hpZ) is not modelled. HINT: drop it to estimate")
+        if str(zero.get("stage3_module_granularity_threshold", 0)) not in ("0", "auto"):
+            raise UnsupportedError("stage3_module_granularity_threshold is not modelled. HINT: drop it")
+        grad_accum = ((config or {}).get("data_types") or {}).get("grad_accum_dtype")
+        if grad_accum not in (None, "auto"):
+            raise UnsupportedError(f"data_types.grad_accum_dtype {grad_accum!r} is not modelled; the default "
+                                   "accumulates in the model dtype (engine.get_data_types). HINT: drop it")
+        hidden = {"reduce_bucket_size": None if hidden_size is None else hidden_size ** 2,
+                  "prefetch_bucket_size": None if hidden_size is None else int(0.9 * hidden_size ** 2),
+                  "param_persistence_threshold": None if hidden_size is None else 10 * hidden_size}
+        kwargs: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            if field.name in ("stage", "offload_optimizer", "offload_param"):
+                continue
+            value = zero.get(field.name, zero.get(f"stage3_{field.name}"))
+            if value is None:
+                continue
+            if value == "auto":
+                if hidden.get(field.name) is None:
+                    raise ConfigError(f"zero_optimization.{field.name} is 'auto', which HF Trainer does not fill. "
+                                      "HINT: give a number")
+                value = hidden[field.name]
+            kwargs[field.name] = bool(value) if str(field.type).startswith("bool") else int(float(value))
+        opt_dev = _offload_device(zero.get("offload_optimizer"), offload_optimizer, "offload_optimizer")
+        par_dev = _offload_device(zero.get("offload_param"), offload_param, "offload_param")
+        return cls(stage=stage, offload_optimizer=opt_dev, offload_param=par_dev, **kwargs)
+
+
+def _offload_device(section: Any, default: bool, name: str) -> bool:
+    if section is None:
+        return default
+    device = str((section or {}).get("device", "none")).lower()
+    if device == "nvme":
+        raise UnsupportedError(f"{name} to NVMe is not modelled. HINT: use device 'cpu'")
+    if device not in ("cpu", "none"):
+        raise ConfigError(f"{name}.device {device!r} is not one of cpu, nvme, none")
+    return device == "cpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroModelStates:
+    """Model-state bytes of one rank, from DeepSpeed's partitioning rules.
+
+    Attributes:
+        params_bytes: 16-bit parameters on the GPU (full for ZeRO-1/2,
+            partitions plus persistent params for ZeRO-3).
+        grads_bytes: 16-bit gradients kept between backward and step (ZeRO-1/2
+            ``grads_in_partition``; ZeRO-3 partition buffer).
+        master_bytes: fp32 master weights on the GPU.
+        optimizer_state_bytes: Optimizer states on the GPU.
+        fp32_grads_bytes: fp32 gradient partitions cast at the step (all
+            groups; DeepSpeed holds one group at a time).
+        host_bytes: Host memory for offloaded states, per rank.
+        padded_trainable: Trainable elements per rank incl. padding.
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    fp32_grads_bytes: int
+    host_bytes: int
+    padded_trainable: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes \
+            + self.fp32_grads_bytes
+
+
+# ----------------------------------------------------------------- planning
+@dataclass
+class _Group:
+    """One ZeRO-1/2 flat group (stage_1_and_2.py, the per-group loop of __init__)."""
+
+    params: list[nn.Parameter]
+    aligned: int  # elements incl. padding
+    partition: int  # aligned // dp
+    in_partition: list[nn.Parameter]  # get_partition_info, for this rank
+
+
+@dataclass
+class _Plan:
+    stage: int
+    dp: int
+    rank: int
+    dtype: torch.dtype
+    cfg: ZeroConfig
+    optimizer: OptimizerKind
+    params: list[nn.Parameter]  # unique, model order
+    trainable: list[nn.Parameter]
+    groups: list[_Group]
+    persistent: set[int]  # ids of params kept whole (ZeRO-3)
+    sub_groups: list[list[nn.Parameter]]
+
+    @property
+    def es(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def part(self, p: nn.Parameter) -> int:
+        """ZeRO-3 partition elements (partition_parameters.py ``_aligned_size // world``)."""
+        return -(-p.numel() // self.dp)
+
+    def in_numel(self) -> int:
+        return sum(p.numel() for g in self.groups for p in g.in_partition)
+
+
+def _decay_groups(model: nn.Module, trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """HF Trainer's two groups (trainer.py ``create_optimizer``): decay, then no-decay."""
+    import transformers
+
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    keep = {id(p) for p in trainable}
+    seen: set[int] = set()
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in keep and not (id(p) in seen or seen.add(id(p)))]
+    groups = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+    return [g for g in groups if g]
+
+
+def _partition_info(params: list[nn.Parameter], partition: int, rank: int) -> list[nn.Parameter]:
+    """stage_1_and_2.py ``get_partition_info``: params with an element in the rank's range."""
+    start, end, cur, out = partition * rank, partition * (rank + 1), 0, []
+    for p in params:
+        if start <= cur < end or cur < start < cur + p.numel():
+            out.append(p)
+        cur += p.numel()
+    return out
+
+
+def _plan(model: nn.Module, *, cfg: ZeroConfig, dp: int, rank: int, dtype: torch.dtype,
+          optimizer: OptimizerKind) -> _Plan:
+    seen: set[int] = set()
+    params = [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
+    trainable = [p for p in params if p.requires_grad]
+    groups = []
+    if cfg.stage < 3:
+        for ps in _decay_groups(model, trainable):
+            align = _NCCL_START_ALIGNMENT * dp
+            aligned = -(-sum(p.numel() for p in ps) // align) * align
+            groups.append(_Group(ps, aligned, aligned // dp, _partition_info(ps, aligned // dp, rank)))
+    # parameter_offload.py mark_persistent_parameters (named_parameters order).
+    persistent, total = set(), 0
+    if cfg.stage == 3:
+        for p in params:
+            if p.numel() + total > cfg.model_persistence_threshold:
+                continue
+            if p.numel() <= cfg.param_persistence_threshold:
+                persistent.add(id(p))
+                total += p.numel()
+    # stage3.py _create_fp16_sub_groups: split a group once its partitions reach sub_group_size.
+    sub_groups: list[list[nn.Parameter]] = []
+    for ps in (_decay_groups(model, trainable) if cfg.stage == 3 else []):
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in ps:
+            cur.append(p)
+            size += -(-p.numel() // dp)
+            if size >= cfg.sub_group_size or p is ps[-1]:
+                sub_groups.append(cur)
+                cur, size = [], 0
+    return _Plan(cfg.stage, dp, rank, dtype, cfg, optimizer, params, trainable, groups, persistent, sub_groups)
+
+
+def _states(plan: _Plan, grad_accum_steps: int = 1) -> ZeroModelStates:
+    es, stage, cfg = plan.es, plan.stage, plan.cfg
+    state_b = _STATE_BYTES[plan.optimizer]
+    if stage < 3:
+        frozen = sum(p.numel() for p in plan.params if not p.requires_grad)
+        part = sum(g.partition for g in plan.groups)
+        params_b = es * (sum(g.aligned for g in plan.groups) + frozen)
+        grads_b = 0 if cfg.offload_optimizer else es * plan.in_numel()
+        # Host: fp32 master, fp32 grads, states and the 16-bit copy-back buffer
+        # (param_buffer_of_bit16_for_cpu_offload_groups).
+        host = part * (4 + 4 + state_b + es)
+        if grad_accum_steps > 1:  # accumulated_grads_in_cpu: whole in-partition params, 16-bit
+            host += es * plan.in_numel()
+    else:
+        part = sum(plan.part(p) for p in plan.trainable)
+        frozen_part = sum(plan.part(p) for p in plan.params if not p.requires_grad)
+        persist_full = sum(p.numel() for p in plan.params if id(p) in plan.persistent)
+        on_gpu_part = (part + frozen_part) if not cfg.offload_param else sum(
+            plan.part(p) for p in plan.params if id(p) in plan.persistent)
+        params_b = es * (on_gpu_part + persist_full)
+        grads_b = 0 if cfg.offload_optimizer else es * part
+        host = part * (4 + 4 + state_b + es)  # + grad_partitions_flat_buffer on the host
+        if cfg.offload_param:
+            host += es * sum(plan.part(p) for p in plan.params if id(p) not in plan.persistent)
+    device = not cfg.offload_optimizer
+    return ZeroModelStates(
+        params_bytes=params_b, grads_bytes=grads_b, master_bytes=4 * part if device else 0,
+        optimizer_state_bytes=state_b * part if device else 0, fp32_grads_bytes=4 * part if device else 0,
+        host_bytes=0 if device else host, padded_trainable=part,
+    )
+
+
+# ---------------------------------------------------------------- emulation
+class _Buffers:
+    """Allocates DeepSpeed's buffers as fake tensors under the tracker.
+
+    Each is labelled PARAMETER in the tracker (so the forward's activation
+    relabelling leaves it alone) and remembered here by record index with its
+    real category, which :func:`_breakdown` splits back out.
+    """
+
+    def __init__(self, tracker: MemoryTracker, plan: _Plan, *, capacity: int) -> None:
+        self.tracker, self.plan, self.capacity = tracker, plan, capacity
+        self.labels: dict[int, Enum] = {}
+        self.counting = False
+        self.sent_bytes = 0
+
+    def new(self, numel: int, cat: Enum, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.make(lambda: torch.empty(max(int(numel), 0), dtype=dtype or self.plan.dtype), cat)
+
+    def make(self, fn: Any, cat: Enum) -> torch.Tensor:
+        """Run ``fn`` (one allocation) and label what it allocated."""
+        start = self.tracker.num_records
+        t = fn()
+        if self.tracker.num_records > start:
+            self.labels.update(dict.fromkeys(range(start, self.tracker.num_records), cat))
+            self.tracker.label([t], MemoryCategory.PARAMETER)
+        return t
+
+    def fp32_copy(self, numel: int, cat: Enum) -> torch.Tensor:
+        """A 16-bit tensor cast to fp32 (``.clone().float()``, ``flatten(...).to(fp32)``):
+        two allocations, the 16-bit one dropped; one when training in fp32."""
+        if self.plan.dtype == torch.float32:
+            return self.new(numel, cat, torch.float32)
+        tmp = self.new(numel, MemoryCategory.TEMPORARY)
+        return self.make(lambda: tmp.to(torch.float32), cat)
+
+    def send(self, nbytes: float) -> None:
+        if self.counting:
+            self.sent_bytes += int(nbytes)
+
+
+def _step_group(optimizer: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor) -> None:
+    """One group's step, as ``_optimizer_step`` runs it (param_groups narrowed to it)."""
+    saved = optimizer.param_groups
+    optimizer.param_groups = [{**saved[0], "params": [master]}]
+    master.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = saved
+        master.grad = None
+
+
+class _Zero12:
+    """ZeRO-1/2 buffers (stage_1_and_2.py, DeepSpeedZeroOptimizer)."""
+
+    def __init__(self, buf: _Buffers, model: nn.Module) -> None:
+        self.b, self.plan, self.cfg = buf, buf.plan, buf.plan.cfg
+        self.in_part = {id(p) for g in self.plan.groups for p in g.in_partition}
+        self.share = _shares(self.plan)
+        self.bucket: list[torch.Tensor] = []
+        self.index = self.elems = 0
+        self.bucket_params: list[nn.Parameter] = []
+        self.extra: torch.Tensor | None = None
+        self.gip: torch.Tensor | None = None  # grads_in_partition
+        self.accum: torch.Tensor | None = None  # all_grad_tensors / averaged_gradients
+        self.boundary = True
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.hooks: list[Any] = []
+
+    def setup(self) -> None:
+        from llmem_plugin.step import make_optimizer
+
+        b, plan, es = self.b, self.plan, self.plan.es
+        # engine._configure_distributed_model: the cast module moves to the GPU.
+        orig = {id(p): b.new(p.numel(), MemoryCategory.PARAMETER) for p in plan.params}
+        self.flat: list[torch.Tensor] = []
+        self.master: list[torch.Tensor] = []
+        for g in plan.groups:
+            olds = [orig.pop(id(p)) for p in g.params]
+            # "Flatten on accelerator device if we have enough memory for the
+            # flat buffer"; otherwise the params go to the CPU first.
+            if b.capacity - b.tracker.live_bytes() < g.aligned * es:
+                olds.clear()
+            self.flat.append(b.new(g.aligned, MemoryCategory.PARAMETER))
+            olds.clear()  # _update_model_bit16_weights: params become views of the flat buffer
+            if not self.cfg.offload_optimizer:  # partition .clone().to(fp32)
+                self.master.append(b.fp32_copy(g.partition, ZeroCategory.MASTER_WEIGHTS).requires_grad_(True))
+        self.frozen = list(orig.values())
+        if self.cfg.offload_optimizer:
+            # temp_grad_buffer_for_gpu_offload: one 16-bit buffer of the largest param.
+            self.offload_buf = b.new(max(p.numel() for p in plan.trainable), ZeroCategory.BUCKETS)
+        else:
+            # initialize_optimizer_states: a zero fp32 grad per group, dropped again.
+            tmp_grads = [b.new(g.partition, ZeroCategory.FP32_GRADIENTS, torch.float32) for g in plan.groups]
+            del tmp_grads
+            self.optimizer = make_optimizer(self.master, plan.optimizer)
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in plan.trainable]
+
+    def begin_micro(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        # process_gradients -> setup_buckets, then reduce in the hook for stage 2
+        # (and for stage 1 with overlap_comm, at the boundary).
+        if not self.bucket:
+            n = 2 if self.cfg.overlap_comm else 1  # "double buffers ... when overlap_comm"
+            self.bucket = [self.b.new(self.cfg.reduce_bucket_size, ZeroCategory.BUCKETS) for _ in range(n)]
+            self.index = 0
+        if self.plan.stage == 2 or (self.cfg.overlap_comm and self.boundary):
+            self._reduce_param(p)
+
+    def _reduce_param(self, p: nn.Parameter) -> None:
+        """reduce_independent_p_g_buckets_and_remove_grads."""
+        n = p.numel()
+        if self.elems and self.elems + n > self.cfg.reduce_bucket_size:
+            self._reduce_ipg()
+            if self.cfg.overlap_comm:
+                self.index = 1 - self.index
+        if n > self.cfg.reduce_bucket_size:
+            self.extra = p.grad  # extra_large_param_to_reduce: reduced in place
+        else:
+            self.bucket[self.index].narrow(0, self.elems, n).copy_(p.grad.reshape(-1))
+        p.grad = None  # grad.data now views the bucket: the autograd buffer is freed
+        self.bucket_params.append(p)
+        self.elems += n
+
+    def _reduce_ipg(self) -> None:
+        """reduce_ipg_grads: average_tensor flattens the bucket (allreduce_bucket)
+        and all-reduces it; the rank's own grads go to grads_in_partition."""
+        if not self.bucket_params:
+            return
+        b, plan = self.b, self.plan
+        tmp = b.new(self.elems, ZeroCategory.BUCKETS)
+        del tmp
+        ring = 2 if self.cfg.use_multi_rank_bucket_allreduce else 1  # all-reduce vs reduce to owner
+        b.send(ring * (plan.dp - 1) / plan.dp * self.elems * plan.es)
+        for p in self.bucket_params:
+            if id(p) not in self.in_part:
+                continue
+            if self.cfg.offload_optimizer:
+                # async_inplace_copy_grad_to_fp32_buffer_from_gpu: .to(fp32), copy to the host
+                tmp32 = b.new(self.share[id(p)], ZeroCategory.FP32_GRADIENTS, torch.float32)
+                del tmp32
+            elif self.gip is None:
+                self.gip = b.new(plan.in_numel(), MemoryCategory.GRADIENT)
+        self.extra = None
+        self.bucket_params, self.elems = [], 0
+
+    def end_backward(self, boundary: bool) -> None:
+        if self.plan.stage == 1:
+            if not boundary:
+                return  # stage 1 reduces only at the boundary (engine.allreduce_gradients)
+            if not self.cfg.overlap_comm:  # reduce_gradients
+                for g in self.plan.groups:
+                    for p in g.params:
+                        if p.grad is not None:
+                            self._reduce_param(p)
+        # independent_gradient_partition_epilogue
+        self._reduce_ipg()
+        if self.accum is None:
+            self.accum = self.gip
+        elif self.gip is not None:
+            self.accum.add_(self.gip)
+        self.gip = None
+        self.bucket = []  # _release_ipg_buffers
+
+    def step(self) -> None:
+        b, plan = self.b, self.plan
+        for i, g in enumerate(plan.groups):
+            if not self.cfg.offload_optimizer:
+                g32 = b.fp32_copy(g.partition, ZeroCategory.FP32_GRADIENTS)  # flatten(averaged_gradients)
+                if i == len(plan.groups) - 1:
+                    self.accum = None  # the last view of grads_in_partition is dropped
+                _step_group(self.optimizer, self.master[i], g32)
+                del g32
+            # all_gather_dp_groups -> all_gather_into_tensor into the flat buffer, in place.
+            b.send((plan.dp - 1) * g.partition * plan.es)
+        self.accum = None
+
+
+def _shares(plan: _Plan) -> dict[int, int]:
+    """Elements of each param inside the rank's partition (grad_position)."""
+    out = {}
+    for g in plan.groups:
+        start, end, cur = g.partition * plan.rank, g.partition * (plan.rank + 1), 0
+        for p in g.params:
+            out[id(p)] = max(0, min(end, cur + p.numel()) - max(start, cur))
+            cur += p.numel()
+    return out
+
+
+class _PreBackward(torch.autograd.Function):
+    """parameter_offload.py PreBackwardFunctionForModule: fetch before a module's backward."""
+
+    @staticmethod
+    def forward(ctx, z3: _Zero3, module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        ctx.z3, ctx.module = z3, module
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        ctx.z3.fetch(ctx.module, forward=False)
+        return None, None, grad
+
+
+class _PostBackward(torch.autograd.Function):
+    """parameter_offload.py PostBackwardFunctionModule: release once every input's grad is done."""
+
+    @staticmethod
+    def forward(ctx, z3: _Zero3, module: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        ctx.z3, ctx.module = z3, module
+        z3.grads_remaining[id(module)] += 1
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        z3 = ctx.z3
+        z3.grads_remaining[id(ctx.module)] -= 1
+        if z3.grads_remaining[id(ctx.module)] == 0:
+            z3.release(ctx.module, forward=False)
+        return None, None, grad
+
+
+_NOT_AVAILABLE, _INFLIGHT, _AVAILABLE = 0, 1, 2
+
+
+@dataclass(eq=False)
+class _Handle:
+    flat: torch.Tensor | None
+    params: list[nn.Parameter]
+    sequential: bool
+    done: bool = False
+
+
+class _Zero3:
+    """ZeRO-3 buffers and the parameter coordinator (stage3.py,
+    parameter_offload.py, partitioned_param_coordinator.py)."""
+
+    def __init__(self, buf: _Buffers, model: nn.Module) -> None:
+        self.b, self.plan, self.cfg = buf, buf.plan, buf.plan.cfg
+        self.model = model
+        self.pid = {id(p): i for i, p in enumerate(self.plan.params)}  # ds_id
+        self.mparams: dict[int, list[nn.Parameter]] = {}
+        for m in model.modules():
+            direct = {id(p): p for p in m.parameters(recurse=False)}
+            if direct:
+                self.mparams[id(m)] = sorted(direct.values(), key=lambda p: self.pid[id(p)])
+        self.status = dict.fromkeys(self.pid, _NOT_AVAILABLE)
+        self.full: dict[int, torch.Tensor] = {}
+        self.inflight: dict[int, _Handle] = {}
+        self.active: dict[int, set[int]] = defaultdict(set)
+        self.active_bwd: dict[int, nn.Module] = {}
+        self.grads_remaining: dict[int, int] = defaultdict(int)
+        self.mode = "invalid"  # ZeRoTraceMode
+        self.order: list[nn.Module] = []
+        self.param_order: list[tuple[nn.Parameter, int]] = []
+        self.queue: deque = deque()
+        self.most_recent: dict[int, int] = defaultdict(lambda: -10**10)
+        self.step_id = self.n_available = 0
+        self.bucket_params: list[nn.Parameter] = []
+        self.pending: list[torch.Tensor] = []
+        self.elems = 0
+        self.hooks: list[Any] = []
+
+    # ------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from llmem_plugin.step import make_optimizer
+
+        b, plan, cfg = self.b, self.plan, self.cfg
+        P = MemoryCategory.PARAMETER
+        # zero.Init (_partition_param): a ceil(numel/dp) partition per param,
+        # on the host with offload_param unless persistent.
+        self.parts = {id(p): b.new(plan.part(p), P) for p in plan.params
+                      if not cfg.offload_param or id(p) in plan.persistent}
+        if not cfg.offload_param:  # _create_fp16_partitions_with_defragmentation
+            self.lp = b.new(sum(plan.part(p) for p in plan.trainable), P)
+            for p in plan.trainable:
+                self.parts.pop(id(p), None)
+        self.master: list[torch.Tensor] = []
+        if not cfg.offload_optimizer:
+            sizes = [sum(plan.part(p) for p in sg) for sg in plan.sub_groups]
+            for n in sizes:  # _create_fp32_partitions: .clone().float()
+                self.master.append(b.fp32_copy(n, ZeroCategory.MASTER_WEIGHTS).requires_grad_(True))
+            gbuf = b.new(max(sizes), ZeroCategory.FP32_GRADIENTS, torch.float32)  # initialize_optimizer_states
+            del gbuf
+            self.optimizer = make_optimizer(self.master, plan.optimizer)
+        # _setup_for_real_optimizer: the IPG bucket and the gradient partitions.
+        self.bucket = b.new(cfg.reduce_bucket_size, ZeroCategory.BUCKETS)
+        if not cfg.offload_optimizer:
+            self.grad_parts = b.new(sum(plan.part(p) for p in plan.trainable), MemoryCategory.GRADIENT)
+        self.hooks = [self.model.register_forward_pre_hook(lambda m, a: self.reset_step())]
+        for m in self.model.modules():
+            if id(m) in self.mparams:
+                self.hooks += [m.register_forward_pre_hook(self._pre_forward), m.register_forward_hook(self._post_forward)]
+        self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in plan.trainable]
+
+    def begin_micro(self, boundary: bool) -> None:
+        pass
+
+    # ------------------------------------------------------------ hooks
+    def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
+        self.fetch(module, forward=True)
+        self.grads_remaining[id(module)] = 0
+        return tuple(_PostBackward.apply(self, module, a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                     for a in args)
+
+    def _post_forward(self, module: nn.Module, args: tuple, out: Any) -> Any:
+        self.release(module, forward=True)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            return _PreBackward.apply(self, module, out)
+        return out
+
+    def reset_step(self) -> None:
+        """PartitionedParameterCoordinator.reset_step, at the start of every forward."""
+        if self.mode == "record":
+            self.param_order = [(p, i) for i, m in enumerate(self.order) for p in self.mparams[id(m)]]
+            self.mode = "complete"
+        elif self.mode == "invalid":
+            self.mode, self.order = "record", []
+        self.queue = deque(self.param_order)
+        self.most_recent = defaultdict(lambda: -10**10)
+        self.step_id = self.n_available = 0
+
+    # -------------------------------------------------------- coordinator
+    def fetch(self, module: nn.Module, *, forward: bool) -> None:
+        """fetch_sub_module: gather, wait, prefetch from the recorded trace."""
+        if self.mode == "complete" and (self.step_id >= len(self.order) or self.order[self.step_id] is not module):
+            self.mode, self.order, self.param_order = "invalid", [], []  # trace_prologue invalidates
+        if self.mode == "record":
+            self.order.append(module)
+        if not forward:
+            self.active_bwd[id(module)] = module
+        params = self.mparams[id(module)]
+        need = [p for p in params if self.status[id(p)] == _NOT_AVAILABLE]
+        if need:
+            self._all_gather(need)
+        for p in params:
+            self.active[id(p)].add(id(module))
+            if id(p) in self.inflight:
+                self._wait(p)
+        if self.mode == "complete":
+            fresh = {id(p) for p in params if self.most_recent[id(p)] < self.step_id}
+            popped: set[int] = set()
+            while self.queue and len(popped) < len(fresh):
+                q, s = self.queue.popleft()
+                self.most_recent[id(q)] = s
+                popped.add(id(q))
+            assert popped == fresh, "ZeRO-3 emulation: prefetch queue out of step with the trace"
+            limit = min(self.cfg.max_live_parameters - self.n_available, self.cfg.prefetch_bucket_size)
+            pre: dict[int, nn.Parameter] = {}
+            numel = 0
+            while self.cfg.prefetch_bucket_size > 0 and self.queue and numel < limit:
+                q, s = self.queue.popleft()
+                if self.status[id(q)] == _NOT_AVAILABLE and id(q) not in pre:
+                    pre[id(q)] = q
+                    numel += q.numel()
+                self.most_recent[id(q)] = max(self.most_recent[id(q)], s)
+            if pre:
+                self._all_gather(sorted(pre.values(), key=lambda p: self.pid[id(p)]))
+        self.step_id += 1
+
+    def _all_gather(self, params: list[nn.Parameter]) -> None:
+        """all_gather_coalesced: one flat buffer for several params (each copied
+        out with torch.cat on wait), or a padded buffer per param
+        (_all_gather_sequential) that the param views."""
+        b, plan = self.b, self.plan
+        self.n_available += sum(p.numel() for p in params)
+        b.send((plan.dp - 1) * sum(plan.part(p) for p in params) * plan.es)
+        host = {id(p) for p in params if self.cfg.offload_param and id(p) not in plan.persistent}
+        sequential = self.cfg.allgather_sequential or len(params) == 1
+        groups = [[p] for p in params] if sequential else [params]
+        for ps in groups:
+            flat = b.new(sum(plan.part(p) for p in ps) * plan.dp, ZeroCategory.GATHERED_PARAMS)
+            copies = [b.new(plan.part(p), MemoryCategory.TEMPORARY) for p in ps if id(p) in host]  # ds_tensor.to(device)
+            del copies
+            h = _Handle(flat, ps, sequential)
+            for p in ps:
+                self.status[id(p)] = _INFLIGHT
+                self.inflight[id(p)] = h
+
+    def _wait(self, p: nn.Parameter) -> None:
+        h = self.inflight.pop(id(p))
+        if not h.done:
+            h.done = True
+            for q in h.params:
+                if h.sequential:
+                    self.full[id(q)] = h.flat  # param.data = narrow view of the buffer
+                else:
+                    self.full[id(q)] = self.b.new(q.numel(), ZeroCategory.GATHERED_PARAMS)
+                self.status[id(q)] = _AVAILABLE
+        if not any(id(q) in self.inflight for q in h.params):
+            h.flat = None
+
+    def _release_param(self, p: nn.Parameter) -> None:
+        if self.status[id(p)] == _AVAILABLE and not self.active[id(p)]:
+            self.full.pop(id(p))
+            self.status[id(p)] = _NOT_AVAILABLE
+            self.n_available -= p.numel()
+
+    def release(self, module: nn.Module, *, forward: bool) -> None:
+        """release_sub_module; with a complete trace only params not reused
+        within max_reuse_distance (``__params_to_release``)."""
+        params = self.mparams[id(module)]
+        if self.mode == "complete":
+            drop = {id(p) for p in params if id(p) not in self.plan.persistent
+                    and self.most_recent[id(p)] <= self.step_id}
+            seen = 0
+            for m in self.order[self.step_id:]:
+                if seen >= self.cfg.max_reuse_distance or not drop:
+                    break
+                for q in self.mparams[id(m)]:
+                    drop.discard(id(q))
+                    seen += q.numel()
+        else:
+            drop = {id(p) for p in params}
+        if not forward:
+            self.active_bwd.pop(id(module), None)
+        for p in params:
+            self.active[id(p)].discard(id(module))
+            if id(p) in drop:
+                self._release_param(p)
+
+    # ---------------------------------------------------------- gradients
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """reduce_independent_p_g_buckets_and_remove_grads / __add_grad_to_ipg_bucket."""
+        n = p.numel()
+        if self.elems and self.elems + n > self.cfg.reduce_bucket_size:
+            self._reduce_bucket()
+        if self.elems + n <= self.cfg.reduce_bucket_size:
+            self.bucket.narrow(0, self.elems, n).copy_(p.grad.reshape(-1))
+        else:
+            self.pending.append(p.grad)
+        p.grad = None
+        self.bucket_params.append(p)
+        self.elems += n
+
+    def _reduce_bucket(self) -> None:
+        """__reduce_and_partition_ipg_grads: reduce_scatter_coalesced interleaves
+        padded partitions into one buffer (none for one divisible tensor);
+        partition_grads copies or adds them into the partition buffer."""
+        if not self.bucket_params:
+            return
+        b, plan = self.b, self.plan
+        padded = sum(plan.part(p) * plan.dp for p in self.bucket_params)
+        single = len(self.bucket_params) == 1 and self.bucket_params[0].numel() % plan.dp == 0
+        tmp = None if single else b.new(padded, ZeroCategory.BUCKETS)
+        b.send((plan.dp - 1) / plan.dp * padded * plan.es)
+        if self.cfg.offload_optimizer:  # grad_buffer.to(device) per param on its way to the host
+            for p in self.bucket_params:
+                t = b.new(plan.part(p), MemoryCategory.TEMPORARY)
+                del t
+        del tmp
+        self.pending, self.bucket_params, self.elems = [], [], 0
+
+    def end_backward(self, boundary: bool) -> None:
+        self._reduce_bucket()  # independent_gradient_partition_epilogue
+        # backward_epilogue -> release_backward_leftovers (persistent params stay).
+        while self.active_bwd:
+            _, m = self.active_bwd.popitem()
+            for p in self.mparams[id(m)]:
+                self.active[id(p)].discard(id(m))
+                if id(p) not in self.plan.persistent:
+                    self._release_param(p)
+
+    def step(self) -> None:
+        b, plan = self.b, self.plan
+        # _partition_all_parameters -> release_and_reset_all (persistent too).
+        for p in plan.params:
+            if id(p) in self.inflight:
+                self._wait(p)
+            self.active[id(p)].clear()
+            self._release_param(p)
+        for i, sg in enumerate(plan.sub_groups if not self.cfg.offload_optimizer else []):
+            n = sum(plan.part(p) for p in sg)  # _prepare_fp32_grad_for_sub_group: flatten(...).to(fp32)
+            g32 = b.fp32_copy(n, ZeroCategory.FP32_GRADIENTS)
+            _step_group(self.optimizer, self.master[i], g32)
+            del g32
+        # _post_step: persistent params gathered again (_allgather_params_coalesced, a buffer each).
+        for p in (q for q in plan.params if id(q) in plan.persistent):
+            self.full[id(p)] = b.new(plan.part(p) * plan.dp, ZeroCategory.GATHERED_PARAMS)
+            self.status[id(p)] = _AVAILABLE
+            b.send((plan.dp - 1) * plan.part(p) * plan.es)
+
+
+# ------------------------------------------------------------------ tracing
+def _training_dtype(workload: Workload, config: dict[str, Any] | None) -> torch.dtype:
+    """The 16-bit (or fp32) dtype DeepSpeed casts params to (engine
+    _configure_distributed_model): bf16/fp16 from the config, else the workload's."""
+    want = {Precision.BF16_MIXED: torch.bfloat16, Precision.BF16: torch.bfloat16,
+            Precision.FP16_MIXED: torch.float16, Precision.FP32: torch.float32}[workload.precision]
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        enabled = ((config or {}).get(key) or {}).get("enabled")
+        if enabled is True and want != dtype:
+            raise ConfigError(f"the DeepSpeed config enables {key} but --precision is {workload.precision.value}. "
+                              f"HINT: pass a matching --precision or fix the config")
+    return want
+
+
+def _build(model: Any, workload: Workload, dtype: torch.dtype) -> nn.Module:
+    """The meta model in DeepSpeed's dtype: params cast, buffers kept
+    ("Cast params only; preserve fp32 buffers", engine.py)."""
+    from llmem_plugin import modelbuild
+
+    # fp16 is traced in bf16: same element size, and CPU kernels favour bf16.
+    precision = Precision.FP32 if dtype == torch.float32 else Precision.BF16
+    m = modelbuild.build_model(model, dataclasses.replace(workload, precision=precision), device="meta")
+    trace_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    for p in m.parameters():
+        if p.dtype != trace_dtype:
+            p.data = torch.empty_like(p, dtype=trace_dtype, device="meta")
+    return m
+
+
+def _optimizer_kind(workload: Workload, config: dict[str, Any] | None, cfg: ZeroConfig) -> OptimizerKind:
+    """DeepSpeed's own Adam (a config "optimizer" section) is FusedAdam, one
+    multi-tensor kernel without temporaries, like torch's fused AdamW; with
+    offload it is DeepSpeedCPUAdam (zero_force_ds_cpu_optimizer)."""
+    section = (config or {}).get("optimizer")
+    if section:
+        kind = str(section.get("type", "")).lower()
+        if kind not in ("adam", "adamw"):
+            raise UnsupportedError(f"DeepSpeed optimizer type {section.get('type')!r} is not modelled. "
+                                   "HINT: use Adam/AdamW or leave the optimizer to the trainer")
+        return OptimizerKind.ADAMW_FUSED
+    if cfg.offload_optimizer and workload.optimizer not in (OptimizerKind.ADAMW, OptimizerKind.ADAMW_FUSED):
+        raise UnsupportedError(f"ZeRO-Offload runs DeepSpeedCPUAdam; --optimizer {workload.optimizer.value} is "
+                               "refused by zero_force_ds_cpu_optimizer. HINT: use adamw")
+    return workload.optimizer
+
+
+def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, Any], gpu: GPU,
+                capacity: int) -> tuple[TraceResult, _Buffers, _Plan]:
+    """Two steps of the (meta) model under the tracker with DeepSpeed's
+    buffers, as step.trace_step runs them; ``plan_args`` go to :func:`_plan`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem_plugin import modelbuild
+    from llmem_plugin.emulation import cuda_emulation
+    from llmem_plugin.step import NUM_ITERATIONS
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    modelbuild.fakeify(model, fake_mode)
+    plan = _plan(model, **plan_args)  # after fakeify: it holds the parameters themselves
+    tracker = MemoryTracker()
+    tracker.watch_modules(model)
+    buf = _Buffers(tracker, plan, capacity=capacity)
+    emu = (_Zero3 if plan.stage == 3 else _Zero12)(buf, model)
+    b, s, ga = workload.micro_batch_size, workload.seq_len, workload.grad_accum_steps
+    try:
+        with fake_mode, tracker:
+            tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+            # The model's own parameter tensors stand for DeepSpeed's views into
+            # the buffers modelled below; registered as HOST they are never
+            # counted (nor "found" later as outputs of view ops).
+            tracker.register(plan.params, MemoryCategory.HOST)
+            with cuda_emulation(autocast_dtype=None, compute_capability=gpu.compute_capability, num_sms=gpu.num_sms):
+                emu.setup()
+                for it in range(NUM_ITERATIONS):
+                    buf.counting = it == NUM_ITERATIONS - 1  # steady state: the trace is complete
+                    for micro in range(ga):
+                        tracker.set_phase(Phase.SETUP)
+                        input_ids = torch.randint(0, vocab, (b, s))
+                        labels = input_ids.clone()
+                        tracker.register([input_ids, labels], MemoryCategory.INPUT)
+                        emu.begin_micro(micro == ga - 1)
+                        tracker.set_phase(Phase.FORWARD)
+                        start = tracker.num_records
+                        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / ga
+                        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
+                        tracker.set_phase(Phase.BACKWARD)
+                        loss.backward()
+                        del loss, input_ids, labels
+                        tracker.label([p.grad for p in plan.trainable if p.grad is not None], MemoryCategory.GRADIENT)
+                        emu.end_backward(micro == ga - 1)
+                    tracker.set_phase(Phase.OPTIMIZER)
+                    emu.step()
+                    opt = getattr(emu, "optimizer", None)
+                    if opt is not None:
+                        states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                        tracker.label(states, MemoryCategory.OPTIMIZER_STATE)
+                        # step.py _host_resident_state: AdamW keeps `step` on the host unless fused.
+                        tracker.label([st["step"] for g in opt.param_groups if not g.get("fused")
+                                       for p in g["params"] if isinstance((st := opt.state.get(p, {})).get("step"),
+                                                                          torch.Tensor)], MemoryCategory.HOST)
+            tracker.set_phase(Phase.SETUP)
+    finally:
+        for h in emu.hooks:
+            h.remove()
+    return tracker.result(), buf, plan
+
+
+def _breakdown(trace: TraceResult, buf: _Buffers) -> TraceResult:
+    """Split DeepSpeed's buffers out of the PARAMETER bucket at the peak."""
+    peak_pos = max(range(len(trace.timeline)), key=lambda i: (trace.timeline[i][2], -i), default=-1)
+    mine: dict[Enum, int] = defaultdict(int)
+    for sign, idx, nbytes in trace.events[: peak_pos + 1]:
+        if idx in buf.labels:
+            mine[buf.labels[idx]] += sign * nbytes
+    out: dict[Any, int] = dict(trace.breakdown)
+    out[MemoryCategory.PARAMETER] = out.get(MemoryCategory.PARAMETER, 0) - sum(mine.values())
+    for cat, v in mine.items():
+        out[cat] = out.get(cat, 0) + v
+    return dataclasses.replace(trace, breakdown={k: v for k, v in out.items() if v})
+
+
+def _split(sent: int, layout: Layout) -> tuple[int, int]:
+    """Intra- vs inter-node bytes of a ring collective over all ranks. NCCL
+    builds node-major rings, one per NIC rail (NCCL docs, "NCCL_CROSS_NIC"):
+    each ring crosses a node boundary once per node, so of a rank's sends a
+    share ``num_nodes / num_gpus`` (= 1 / GPUs per node) goes between nodes."""
+    if layout.num_nodes == 1:
+        return sent, 0
+    inter = sent * layout.num_nodes // layout.num_gpus
+    return sent - inter, inter
+
+
+# --------------------------------------------------------------- interface
+def _setup(model: Any, workload: Workload, layout: Layout, stage: int, offload_optimizer: bool,
+           offload_param: bool, config: dict[str, Any] | None) -> tuple[nn.Module, ZeroConfig, torch.dtype,
+                                                                       OptimizerKind]:
+    if layout.tp != 1:
+        raise ConfigError(f"DeepSpeed ZeRO here is pure data parallel; got --tp {layout.tp}. "
+                          "HINT: drop --tp (tp must be 1) or pick a tensor-parallel --method")
+    dtype = _training_dtype(workload, config)
+    meta = _build(model, workload, dtype)
+    hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
+    cfg = ZeroConfig.from_deepspeed(config, stage=stage, offload_optimizer=offload_optimizer,
+                                    offload_param=offload_param, hidden_size=hidden)
+    if not cfg.contiguous_gradients and not cfg.offload_optimizer:
+        raise UnsupportedError("contiguous_gradients=false is not modelled. HINT: drop it (default true)")
+    if not any(p.requires_grad for p in meta.parameters()):
+        raise ConfigError("the model has no trainable parameters. HINT: check the LoRA targets")
+    return meta, cfg, dtype, _optimizer_kind(workload, config, cfg)
+
+
+def model_states(
+    model: Any, workload: Workload, *, layout: Layout, stage: int, offload_optimizer: bool = False,
+    offload_param: bool = False, config: dict[str, Any] | None = None, rank: int = 0,
+) -> ZeroModelStates:
+    """Model-state bytes of ``rank`` from DeepSpeed's partitioning rules alone (no trace).
+
+    Raises:
+        ConfigError: tp != 1, a bad config, nothing to train.
+        UnsupportedError: An option that is not modelled.
+    """
+    meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
+    return _states(_plan(meta, cfg=cfg, dp=layout.dp, rank=rank, dtype=dtype, optimizer=kind),
+                   workload.grad_accum_steps)
+
+
+def estimate(
+    model: Any, workload: Workload, *, layout: Layout, gpu: GPU, alloc_conf: Any = None,
+    torch_version: str | None = None, preset: str = "zero3", stage: int = 3, offload_optimizer: bool = False,
+    offload_param: bool = False, config: dict[str, Any] | None = None, **_: Any,
+) -> MethodEstimate:
+    """Per-rank memory and communication of DeepSpeed ZeRO ``stage``.
+
+    Args:
+        model: Any model source :func:`llmem_plugin.modelbuild.build_model` takes.
+        workload: The per-rank workload (micro batch, accumulation, LoRA, ...).
+        layout: World size and nodes; ``tp`` must be 1.
+        gpu: The GPU of every rank.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` (string or parsed).
+        torch_version: Torch of the job, for the overheads.
+        preset: Registry name, reported as the method.
+        stage, offload_optimizer, offload_param: From the preset.
+        config: A DeepSpeed config dict (HF "auto" values are filled as HF does).
+
+    Returns:
+        Rank 0, plus the rank with the largest gradient partition where it differs.
+
+    Raises:
+        ConfigError: tp != 1, a config contradicting the method or precision.
+        UnsupportedError: An option or optimizer that is not modelled.
+    """
+    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.estimate import _uses_cublaslt
+    from llmem_plugin.overheads import device_overheads
+
+    meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
+    conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    overheads = device_overheads(gpu.compute_capability, torch_version=torch_version,
+                                 uses_cublaslt=_uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
+    capacity = gpu.capacity_bytes - overheads.outside_allocator_bytes
+    plan_args = {"cfg": cfg, "dp": layout.dp, "dtype": dtype, "optimizer": kind}
+    ranks_to_trace = [0]
+    if stage < 3 and layout.dp > 1:  # ranks differ only in the params touching their partition
+        sizes = [_plan(meta, rank=r, **plan_args).in_numel() for r in range(layout.dp)]
+        worst = max(range(layout.dp), key=lambda r: (sizes[r], -r))
+        if sizes[worst] > sizes[0]:
+            ranks_to_trace.append(worst)
+    ranks, sent = [], 0
+    for i, rank in enumerate(ranks_to_trace):
+        m = meta if i == 0 else _build(model, workload, dtype)  # tracing fakeifies in place
+        trace, buf, plan = _trace_rank(m, workload, plan_args={**plan_args, "rank": rank}, gpu=gpu,
+                                       capacity=capacity)
+        states = _states(plan, workload.grad_accum_steps)
+        ranks.append(rank_memory(_breakdown(trace, buf), rank=rank, gpu=gpu, overheads=overheads,
+                                 alloc_conf=conf, host_bytes=states.host_bytes))
+        sent = max(sent, buf.sent_bytes)
+    intra, inter = _split(sent, layout)
+    notes = [
+        (f"ZeRO-{stage} modelled from DeepSpeed 0.19.8 buffer rules over a traced step in {dtype}: "
+         "activations and temporaries traced, DeepSpeed buffers modelled, allocator replayed"),
+        f"reduce_bucket_size={cfg.reduce_bucket_size} overlap_comm={cfg.overlap_comm}"
+        + (f" prefetch_bucket_size={cfg.prefetch_bucket_size} param_persistence_threshold="
+           f"{cfg.param_persistence_threshold} max_live_parameters={cfg.max_live_parameters} "
+           f"max_reuse_distance={cfg.max_reuse_distance}" if stage == 3 else ""),
+        f"optimizer: {kind.value}" + (" on the host (DeepSpeedCPUAdam)" if cfg.offload_optimizer else ""),
+    ]
+    if dtype == torch.float16:
+        notes.append("fp16 traced in bf16 (same element size)")
+    if ranks[0].host_bytes:
+        notes.append(f"host memory: {ranks[0].host_bytes} B per rank, "
+                     f"{ranks[0].host_bytes * layout.gpus_per_node} B per node")
+    return MethodEstimate(method=preset, layout=layout, ranks=ranks, comm_intra_node_bytes=intra,
+                          comm_inter_node_bytes=inter, notes=notes)
