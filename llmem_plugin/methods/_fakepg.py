@@ -8,7 +8,10 @@ Shared FACTS ("Distributed under a fake process group") gives the recipe and
 its pitfalls: build device meshes outside ``FakeTensorMode``; and DTensor's
 sharding propagation reuses the active fake mode, so its scratch tensors (full,
 unsharded shapes) would be counted; :func:`isolated_sharding_propagation`
-gives it a fake mode of its own.
+gives it a fake mode of its own, and the tracing tracker must also skip ops
+that run under a fake mode other than the trace's (that fresh mode sits below
+the tracker on the mode stack, so the tracker still sees its ops; see
+``fsdp._ShardTracker``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ def isolated_sharding_propagation() -> Iterator[None]:
     torch/distributed/tensor/_sharding_prop.py) runs each op on fake copies of
     the *global* shapes under ``detect_fake_mode() or FakeTensorMode()``. Under
     our tracing fake mode those scratch tensors would be recorded as this
-    rank's allocations; with detection disabled it makes a fresh mode whose
-    tensors never reach the tracker.
+    rank's allocations; with detection disabled it makes a fresh mode, whose
+    ops the tracker can then tell apart and skip.
     """
     from torch.distributed.tensor import _sharding_prop
 
