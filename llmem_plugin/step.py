@@ -11,16 +11,17 @@ state (states alive during forward and backward) shows in the second
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from llmem_plugin import _pause
 from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, autocast_region, cuda_emulation
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Workload
 
-__all__ = ["make_optimizer", "trace_step", "NUM_ITERATIONS"]
+__all__ = ["NUM_ITERATIONS", "host_resident_state", "make_optimizer", "state_tensors", "trace_step"]
 
 NUM_ITERATIONS = 2
 
@@ -49,7 +50,7 @@ def make_optimizer(params: Iterable[nn.Parameter], kind: OptimizerKind) -> torch
     raise AssertionError(kind)
 
 
-def _host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Optimizer state tensors that a CUDA run keeps on the host.
 
     torch/optim/adam.py (2.13, "special device hosting for step"): AdamW puts
@@ -67,7 +68,7 @@ def _host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
     return out
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
@@ -80,6 +81,12 @@ def trace_step(
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
     num_sms: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    tracker: MemoryTracker | None = None,
+    contexts: Sequence[contextlib.AbstractContextManager] = (),
+    autocast: bool = True,
+    on_micro_batch: Callable[[int, int], None] | None = None,
+    offload: bool = False,
+    on_step: Callable[[torch.optim.Optimizer], None] | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -96,29 +103,46 @@ def trace_step(
         wrap: A distributed wrapper to apply once the parameters are
             registered (e.g. DDP); what it allocates is recorded as
             communication buffers, and the step runs the wrapped module.
+        tracker: The tracker to record with (e.g. one that sees DTensors'
+            local shards); a plain :class:`MemoryTracker` if None.
+        contexts: Entered inside the tracker around the whole step (e.g.
+            an engine's instrumentation).
+        autocast: Run forward and loss under the workload's autocast; off
+            when an engine casts parameters itself (FSDP2's mixed precision).
+        on_micro_batch: Called as ``(iteration, micro_batch)`` before each
+            micro-batch.
+        offload: Model states live on the host (CPU offload): parameters,
+            gradients and optimizer states count as host memory and the
+            optimizer step, which runs on the host, is not traced.
+        on_step: Called with the optimizer after each ``step()``, before
+            ``zero_grad``.
 
     Returns:
         The replayed trace.
     """
-    tracker = MemoryTracker()
+    tracker = tracker if tracker is not None else MemoryTracker()
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
     optimizer = make_optimizer(trainable, workload.optimizer)
-    with mode_ctx, tracker:
-        tracker.register(params, MemoryCategory.PARAMETER)
+    autocast_dtype = workload.precision.autocast_dtype if autocast else None
+    held = MemoryCategory.HOST if offload else None
+    with mode_ctx, tracker, contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        tracker.register(params, held or MemoryCategory.PARAMETER)
         tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
         if wrap is not None:
             start = tracker.num_records
             model = wrap(model)
             tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
-        with cuda_emulation(
-            autocast_dtype=workload.precision.autocast_dtype, compute_capability=compute_capability, num_sms=num_sms
-        ):
-            for _ in range(NUM_ITERATIONS):
-                for _ in range(workload.grad_accum_steps):
+        with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms):
+            for it in range(NUM_ITERATIONS):
+                for mb in range(workload.grad_accum_steps):
+                    if on_micro_batch is not None:
+                        on_micro_batch(it, mb)
                     tracker.set_phase(Phase.SETUP)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
@@ -129,7 +153,7 @@ def trace_step(
                     # As HF Trainer's compute_loss: forward and loss inside
                     # autocast, backward outside (the autocast weight-cast
                     # cache is freed when the region exits).
-                    with autocast_region(workload.precision.autocast_dtype):
+                    with autocast_region(autocast_dtype):
                         out = model(input_ids=input_ids, labels=labels, use_cache=False)
                         loss = out.loss / workload.grad_accum_steps
                         del out
@@ -138,11 +162,14 @@ def trace_step(
                     tracker.set_phase(Phase.BACKWARD)
                     loss.backward()
                     del loss, input_ids, labels
-                    tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
+                    tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)
                 tracker.set_phase(Phase.OPTIMIZER)
-                optimizer.step()
-                tracker.label(_state_tensors(optimizer), MemoryCategory.OPTIMIZER_STATE)
-                tracker.label(_host_resident_state(optimizer), MemoryCategory.HOST)
+                with _pause.untracked() if offload else contextlib.nullcontext():
+                    optimizer.step()
+                tracker.label(state_tensors(optimizer), held or MemoryCategory.OPTIMIZER_STATE)
+                tracker.label(host_resident_state(optimizer), MemoryCategory.HOST)
+                if on_step is not None:
+                    on_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

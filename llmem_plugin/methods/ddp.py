@@ -154,13 +154,15 @@ def estimate(
     sent = workload.grad_accum_steps * ring_allreduce_bytes(grad_bytes, layout.num_gpus)
     notes = [f"buckets of {bucket_cap_mb} MiB (first 1 MiB), gradient_as_bucket_view={gradient_as_bucket_view}",
              "all-reduce every micro-batch (no no_sync)"]
+    # NCCL lays rings out node by node, so of the n hops of a ring, one per
+    # node crosses between nodes: num_nodes / n of a rank's bytes on average
+    # (the convention fsdp.py and tp.py use too).
+    inter = sent * layout.num_nodes // layout.num_gpus if layout.num_nodes > 1 else 0
     return MethodEstimate(
         method=preset,
         layout=layout,
         ranks=[rank],
-        comm_intra_node_bytes=sent,
-        # A ring over several nodes crosses between them; the rank at each
-        # crossing sends its whole share over the inter-node link.
-        comm_inter_node_bytes=sent if layout.num_nodes > 1 else 0,
+        comm_intra_node_bytes=sent - inter,
+        comm_inter_node_bytes=inter,
         notes=notes,
     )

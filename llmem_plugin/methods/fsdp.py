@@ -26,28 +26,27 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from llmem_plugin import _pause, modelbuild
+from llmem_plugin import modelbuild
 from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.emulation import cuda_emulation
 from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods._fakepg import (
     fake_process_group,
     isolated_sharding_propagation,
 )
+from llmem_plugin.methods._rank_tracker import RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import device_overheads
-from llmem_plugin.step import NUM_ITERATIONS, make_optimizer
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
+from llmem_plugin.step import state_tensors, trace_step
+from llmem_plugin.tracker import MemoryCategory, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = ["PRESETS", "estimate"]
@@ -181,12 +180,6 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     return list({id(p): p for p in model.parameters()}.values())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds a DTensor's memory on this rank (``t`` itself otherwise)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-# ----------------------------------------------------------------- wrapping
 def _device_mesh(layout: Layout, sharding: str, device_type: str = "cpu"):
     """The data-parallel mesh; build it outside FakeTensorMode (shared FACTS,
     "Distributed under a fake process group"). Dimension names as torchtitan's."""
@@ -265,59 +258,8 @@ def _materialize(model: nn.Module, fake_mode) -> None:
 
 
 # ----------------------------------------------------------------- tracking
-class _ShardTracker(MemoryTracker):
-    """The tracker, seeing DTensors through their local shards.
-
-    A DTensor is a wrapper: its own storage reports the global size and holds
-    nothing, its local tensor holds this rank's memory. Ops on DTensors are
-    passed on to DTensor's dispatch (a mode that returns ``NotImplemented``
-    lets the subclass handle the op), whose local ops come back through the
-    tracker like any other; tensors registered or labelled are unwrapped.
-
-    Ops run under a fake mode other than the trace's are not recorded: that
-    is DTensor's sharding propagation (shared FACTS, "DTensor pitfall"),
-    which runs each op on fake tensors of the *global* shapes whenever
-    DTensor's sharding cache misses, as on the first optimizer step.
-    :func:`isolated_sharding_propagation` gives it a fresh fake mode, but
-    FakeTensorMode is an infra mode beneath the user mode stack, so the
-    tracker still sees those ops first; this check drops them.
-
-    Known limitations:
-        * Only DTensor is unwrapped (not, e.g., float8 training subclasses).
-    """
-
-    def __init__(self, fake_mode: Any = None) -> None:
-        super().__init__()
-        self._fake_mode = fake_mode
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-        if active is not None and active is not self._fake_mode:
-            with _pause.untracked():
-                return super().__torch_dispatch__(func, types, args, kwargs)
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def register(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
-        super().register([_local(t) for t in tensors], category)
-
-    def label(self, tensors: Iterable[torch.Tensor], category: MemoryCategory) -> None:
-        super().label([_local(t) for t in tensors], category)
-
-    def resized(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
-        """Record storages resized in place. FSDP2 frees and re-allocates
-        unsharded parameters with ``UntypedStorage.resize_`` (keeping the
-        tensors autograd saved), which no ATen op reports."""
-        if _pause.is_paused():
-            return
-        for t in tensors:
-            self._see(_local(t).untyped_storage(), category)
-        self.label(tensors, category)
-
-
 @contextlib.contextmanager
-def _fsdp_instrumented(tracker: _ShardTracker, *, cpu_offload: bool) -> Iterator[None]:
+def _fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[None]:
     """Report FSDP2's storage resizes and label its buffers (as
     torch/distributed/_tools/fsdp2_mem_tracker.py instruments FSDP2);
     with ``cpu_offload``, add the host/device copies a CUDA run makes.
@@ -369,7 +311,7 @@ def _fsdp_instrumented(tracker: _ShardTracker, *, cpu_offload: bool) -> Iterator
             # that call returns the device view itself.
             with torch.no_grad():
                 for fp in fresh:
-                    host = fp.to_sharded_dtensor(_local(fp.sharded_param.grad).clone())
+                    host = fp.to_sharded_dtensor(local(fp.sharded_param.grad).clone())
                     fp.sharded_param.grad = host
                     tracker.label([host], MemoryCategory.HOST)
         return out
@@ -409,71 +351,43 @@ def _trace_fsdp_step(
     num_sms: int | None = None,
     cpu_offload: bool = False,
 ) -> tuple[TraceResult, int]:
-    """Trace ``NUM_ITERATIONS`` steps of an FSDP2-wrapped model.
-
-    The loop is :func:`llmem_plugin.step.trace_step`'s, which cannot run
-    FSDP2 unchanged: it registers ``model.parameters()``, DTensors whose own
-    storage is global-sized, and its tracker would record DTensor ops instead
-    of their local ops and miss FSDP2's in-place storage resizes. Mixed
-    precision is FSDP2's policy, so there is no autocast region.
+    """Trace ``NUM_ITERATIONS`` steps of an FSDP2-wrapped model:
+    :func:`llmem_plugin.step.trace_step` with a :class:`RankTracker` (the
+    plain tracker would count DTensors at their global size and miss FSDP2's
+    in-place storage resizes) and FSDP2's instrumentation. Mixed precision is
+    FSDP2's policy, so there is no autocast region.
 
     Returns:
         The trace and the host bytes of offloaded states (0 without offload).
     """
-    from llmem_plugin.step import _host_resident_state, _state_tensors
-
     # FSDP2 initialises on the root's first forward: it picks the root and
     # re-pads every local shard (reset_sharded_param), which allocates on fake
     # storages (no data pointer to compare) and nothing on a real job's
     # padded shards. Run it before tracing, as that allocation is no step's.
     model._get_fsdp_state()._lazy_init()
-    tracker = _ShardTracker(fake_mode)
-    tracker.watch_modules(model)
-    mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    b, s = workload.micro_batch_size, workload.seq_len
+    tracker = RankTracker(fake_mode)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    optimizer = make_optimizer(trainable, workload.optimizer)
-    held = MemoryCategory.HOST if cpu_offload else None
-    with mode_ctx, isolated_sharding_propagation(), tracker, _fsdp_instrumented(tracker, cpu_offload=cpu_offload):
-        tracker.register(params, held or MemoryCategory.PARAMETER)
-        tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
-        with cuda_emulation(autocast_dtype=None, compute_capability=compute_capability, num_sms=num_sms):
-            for _ in range(NUM_ITERATIONS):
-                for _ in range(workload.grad_accum_steps):
-                    tracker.set_phase(Phase.SETUP)
-                    gen = torch.Generator().manual_seed(0) if fake_mode is None else None
-                    input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
-                    labels = input_ids.clone()
-                    tracker.register([input_ids, labels], MemoryCategory.INPUT)
-                    tracker.set_phase(Phase.FORWARD)
-                    start = tracker.num_records
-                    loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / workload.grad_accum_steps
-                    tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
-                    tracker.set_phase(Phase.BACKWARD)
-                    loss.backward()
-                    del loss, input_ids, labels
-                    grads = [p.grad for p in trainable if p.grad is not None]
-                    tracker.label(grads, held or MemoryCategory.GRADIENT)
-                    del grads
-                tracker.set_phase(Phase.OPTIMIZER)
-                # With offload the optimizer steps on the host: nothing to trace.
-                with _pause.untracked() if cpu_offload else contextlib.nullcontext():
-                    optimizer.step()
-                tracker.label(_state_tensors(optimizer), held or MemoryCategory.OPTIMIZER_STATE)
-                tracker.label(_host_resident_state(optimizer), MemoryCategory.HOST)
-                host_bytes = _host_bytes(params, trainable, _state_tensors(optimizer)) if cpu_offload else 0
-                optimizer.zero_grad(set_to_none=True)
-        tracker.set_phase(Phase.SETUP)
-    return tracker.result(), host_bytes
+    host = [0]
+
+    def on_step(optimizer: torch.optim.Optimizer) -> None:
+        if cpu_offload:
+            host[0] = _host_bytes(params, trainable, state_tensors(optimizer))
+
+    trace = trace_step(
+        model, workload, vocab_size=vocab_size, fake_mode=fake_mode, compute_capability=compute_capability,
+        num_sms=num_sms, tracker=tracker, autocast=False, offload=cpu_offload, on_step=on_step,
+        contexts=[isolated_sharding_propagation(), _fsdp_instrumented(tracker, cpu_offload=cpu_offload)],
+    )
+    return trace, host[0]
 
 
 def _host_bytes(params: list[torch.Tensor], trainable: list[torch.Tensor], states: list[torch.Tensor]) -> int:
     """Host memory of offloaded shards: parameters (padded), gradients (as
     copied to the host, unpadded) and optimizer states."""
-    shards = sum(_local(p).untyped_storage().nbytes() for p in params)
-    grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in trainable if p.grad is not None)
-    return shards + grads + sum(_local(t).untyped_storage().nbytes() for t in states)
+    shards = sum(local(p).untyped_storage().nbytes() for p in params)
+    grads = sum(local(p.grad).numel() * p.grad.element_size() for p in trainable if p.grad is not None)
+    return shards + grads + sum(local(t).untyped_storage().nbytes() for t in states)
 
 
 # -------------------------------------------------------------- per rank

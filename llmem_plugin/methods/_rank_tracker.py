@@ -1,0 +1,186 @@
+"""A tracker that records one rank of a distributed step.
+
+Shared by the methods traced under a fake process group (``fsdp``, ``tp``):
+it sees DTensors through their local shards, skips DTensor's sharding
+propagation, fixes the fake ``wait_tensor`` and can log the collectives the
+step issues (for the communication volume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from llmem_plugin import _pause
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker
+
+__all__ = ["Collective", "RankTracker", "local", "nbytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    op: str
+    group_name: str
+    group_size: int
+    payload_bytes: int  # all-reduce / reduce-scatter input, all-gather output
+
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+class RankTracker(MemoryTracker):
+    """A :class:`MemoryTracker` that records one rank: DTensors' local shards.
+
+    A dispatch mode sees an op on DTensors before DTensor unwraps it, and a
+    wrapper subclass's own storage is no memory (a DTensor's reports the
+    *global* size). Returning ``NotImplemented`` for ops on wrapper
+    subclasses (DTensor, and the AsyncCollectiveTensor that functional
+    collectives return in a real run) hands them to the subclass, which runs
+    the inner ops with this mode still active: the tracker sees exactly the
+    shards and temporaries this rank allocates. A wrapper an op returns
+    counts as its inner tensors. Ops run under another fake mode (DTensor's
+    sharding propagation on global shapes, isolated by
+    :func:`isolated_sharding_propagation`) allocate nothing on the device.
+    Also counts the collectives the step issues.
+
+    Known limitations:
+        * ``register``/``label`` map a DTensor to its local tensor; other
+          wrapper subclasses are taken as they are.
+        * The fake mode DTensor's sharding propagation runs under (see
+          ``_fakepg.isolated_sharding_propagation``) is an infra mode beneath
+          this one, so its ops reach this tracker first; the check on the
+          active fake mode drops them.
+    """
+
+    def __init__(self, fake_mode: Any) -> None:
+        super().__init__()
+        self._fake_mode = fake_mode
+        self.record_collectives = False
+        self.collectives: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if active is not None and active is not self._fake_mode:
+            with _pause.untracked():
+                return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _WAIT_TENSOR and is_fake(args[0]):
+            # The real kernel returns its input (torch/csrc/distributed/c10d/
+            # Functional.cpp, wait_tensor); the fake kernel would return a
+            # fresh tensor, a second copy of every collective's output.
+            return args[0]
+        if self.record_collectives and func.namespace in ("_c10d_functional", "c10d"):
+            c = collective(func, args, kwargs or {})
+            if c is not None:
+                self.collectives.append(c)
+        seeing = not _pause.is_paused()
+        with _pause.untracked():  # the base class would see wrappers' storages
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        if seeing:
+            for t in _inner_tensors(out):
+                self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
+        return out
+
+    def register(self, tensors, category: MemoryCategory) -> None:
+        super().register([local(t) for t in tensors], category)
+
+    def label(self, tensors: Iterable[torch.Tensor], category: MemoryCategory) -> None:
+        super().label([local(t) for t in tensors], category)
+
+    def resized(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
+        """Record storages resized in place. FSDP2 frees and re-allocates
+        unsharded parameters with ``UntypedStorage.resize_`` (keeping the
+        tensors autograd saved), which no ATen op reports."""
+        if _pause.is_paused():
+            return
+        for t in tensors:
+            self._see(local(t).untyped_storage(), category)
+        self.label(tensors, category)
+
+
+def _inner_tensors(out: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors in an op's output, wrapper subclasses unwrapped."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _inner_tensors(o)
+    elif is_traceable_wrapper_subclass(out):
+        names, _ = out.__tensor_flatten__()
+        for name in names:
+            yield from _inner_tensors(getattr(out, name))
+    elif isinstance(out, torch.Tensor):
+        yield out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def nbytes(ts: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors."""
+    if isinstance(ts, torch.Tensor):
+        return ts.numel() * ts.element_size()
+    return sum(nbytes(t) for t in ts)
+
+
+# Collective ops the traced step can issue: op name (trailing "_" dropped) ->
+# (kind, index of the argument whose bytes are the payload). Functional
+# collectives (torch/distributed/_functional_collectives.py) take a group
+# name; c10d ops (torch/csrc/distributed/c10d/Ops.cpp) take the ProcessGroup.
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
+    "all_gather_into_tensor": ("all_gather", 0),  # input: times the group size
+    "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
+    "all_to_all_single": ("all_to_all", 0),
+}
+_C10D = {
+    "allreduce": ("all_reduce", 0),
+    "allreduce_coalesced": ("all_reduce", 0),
+    "allgather": ("all_gather", 0),  # outputs
+    "_allgather_base": ("all_gather", 0),
+    "allgather_into_tensor_coalesced": ("all_gather", 0),
+    "reduce_scatter": ("reduce_scatter", 1),  # inputs
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
+    "alltoall_base": ("all_to_all", 1),
+}
+
+
+def collective(func, args, kwargs) -> Collective | None:
+    """The collective ``func`` issues, or None for waits and other ops.
+
+    The payload is the size NCCL's bus-bandwidth formulas start from
+    (nccl-tests doc/PERFORMANCE.md): the buffer of an all-reduce, the
+    gathered output of an all-gather, the input of a reduce-scatter or
+    all-to-all.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    name = func._opname.rstrip("_")
+    if func.namespace == "_c10d_functional":
+        if name not in _FUNCTIONAL:
+            return None
+        kind, at = _FUNCTIONAL[name]
+        pg = c10d._resolve_process_group(args[-1] if isinstance(args[-1], str) else kwargs["group_name"])
+        payload = nbytes(args[at]) * (pg.size() if kind == "all_gather" else 1)
+    else:
+        boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
+        if name not in _C10D or not boxed:
+            return None
+        kind, at = _C10D[name]
+        pg = torch.distributed.ProcessGroup.unbox(boxed[0])
+        payload = nbytes(args[at])
+    return Collective(kind, pg.group_name, pg.size(), payload)
