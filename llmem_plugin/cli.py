@@ -92,6 +92,8 @@ def _parser_estimate(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, inside a node (default 1)")
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="CPU offload: optimizer states, or parameters too (ZeRO, FSDP)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallel for the tensor-parallel methods (tp, dp-tp, fsdp-tp)")
     p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)
@@ -112,6 +114,9 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     options = {}
     if args.offload:
         options = {"offload_optimizer": True, "offload_param": args.offload == "params", "cpu_offload": True}
+    if args.sequence_parallel and args.method not in (*_TP_METHODS, "all"):
+        raise ConfigError(f"--sequence-parallel needs a tensor-parallel method, not --method {args.method}. "
+                          f"HINT: use one of {', '.join(_TP_METHODS)}")
     gpu, wl = _gpu(args), _workload(args)
     rows, skipped = [], []
     for name in names if args.method == "all" else [args.method]:
@@ -121,9 +126,10 @@ def _cmd_methods(args: argparse.Namespace) -> int:
                                   f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
             skipped.append((name, "no CPU offload"))
             continue
+        extra = {"sequence_parallel": True} if args.sequence_parallel and name in _TP_METHODS else {}
         try:
             est = estimate_method(name, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,
-                                  torch_version=args.torch_version, **options)
+                                  torch_version=args.torch_version, **options, **extra)
         except LLMemError as e:
             if args.method != "all":
                 raise
@@ -143,6 +149,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+_TP_METHODS = ("tp", "dp-tp", "fsdp-tp")
 # Methods that model CPU offload (ZeRO's offload_optimizer/offload_param, FSDP2's CPUOffloadPolicy).
 _OFFLOAD_METHODS = ("fsdp", "hsdp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
 

@@ -50,3 +50,16 @@ def test_layout_errors_exit_2(capsys, argv, fragment):
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", *argv)
     assert code == EXIT_BAD_INPUT
     assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_tensor_parallel_row_and_sequence_parallel(capsys):
+    argv = ["estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "2", "--tp", "2", "--method", "tp"]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    row = json.loads(out)["methods"][0]
+    assert (row["method"], row["tp"]) == ("tp", 2)
+    code, out, err = run(capsys, *argv, "--sequence-parallel", "--json")
+    assert code == 0, err
+    assert json.loads(out)["methods"][0]["peak_allocated_bytes"] <= row["peak_allocated_bytes"]
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--method", "ddp", "--gpus", "2", "--sequence-parallel")
+    assert code == EXIT_BAD_INPUT and "--sequence-parallel needs a tensor-parallel method" in err
