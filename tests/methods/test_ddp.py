@@ -116,3 +116,15 @@ def test_fake_trace_equals_a_real_two_process_gloo_run(tmp_path):
     fake = estimate_method("ddp", tiny_config("llama"), WL, layout=Layout(num_gpus=2), gpu=H100).ranks[0]
     assert fake.peak_tensor_bytes == real["peak"]
     assert fake.breakdown == real["breakdown"]
+
+
+def test_lora_buckets_hold_only_the_adapters():
+    from llmem_plugin import modelbuild
+    from llmem_plugin.workload import LoraSpec
+
+    cfg = tiny_config("llama")
+    wl = Workload(seq_len=32, micro_batch_size=1, grad_accum_steps=2, lora=LoraSpec(rank=4))
+    est = estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=2), gpu=H100)
+    m = modelbuild.build_model(cfg, wl, device="meta")
+    adapters = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+    assert est.ranks[0].breakdown["comm_buffers"] == _round(adapters)  # frozen weights get no bucket
