@@ -169,6 +169,8 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
                       style=None if fits else "red")
     console.print(table)
     for est in rows:
+        if est.host_bytes_per_node:
+            console.print(f"{est.method}: {gib(est.host_bytes_per_node)} GiB of CPU RAM per node for offloaded states")
         for note in est.notes:
             console.print(f"{est.method}: {note}")
     for name, why in skipped:

@@ -67,6 +67,12 @@ class MethodEstimate:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def host_bytes_per_node(self) -> int:
+        """CPU RAM a node needs for offloaded states: every GPU's rank holds
+        its own share (the largest rank's, to be safe)."""
+        return max(r.host_bytes for r in self.ranks) * self.layout.gpus_per_node
+
+    @property
     def worst(self) -> RankMemory:
         """The rank with the largest device total (the one that OOMs first)."""
         return max(self.ranks, key=lambda r: r.device_total_bytes)
@@ -82,6 +88,7 @@ class MethodEstimate:
             "device_total_bytes": w.device_total_bytes,
             "fits": all(r.fits for r in self.ranks),
             "ranks": [r.to_dict() for r in self.ranks],
+            "host_bytes_per_node": self.host_bytes_per_node,
             "comm_intra_node_bytes": self.comm_intra_node_bytes,
             "comm_inter_node_bytes": self.comm_inter_node_bytes,
             "notes": list(self.notes),
