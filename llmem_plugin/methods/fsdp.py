@@ -49,7 +49,7 @@ from llmem_plugin.step import state_tensors, trace_step
 from llmem_plugin.tracker import MemoryCategory, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
-__all__ = ["PRESETS", "estimate"]
+__all__ = ["PRESETS", "estimate", "fsdp_instrumented"]
 
 # Lightning-style presets. "full": FULL_SHARD, one shard group of every rank.
 # "hybrid": HYBRID_SHARD, shard within a node and replicate across nodes
@@ -259,7 +259,7 @@ def _materialize(model: nn.Module, fake_mode) -> None:
 
 # ----------------------------------------------------------------- tracking
 @contextlib.contextmanager
-def _fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[None]:
+def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[None]:
     """Report FSDP2's storage resizes and label its buffers (as
     torch/distributed/_tools/fsdp2_mem_tracker.py instruments FSDP2);
     with ``cpu_offload``, add the host/device copies a CUDA run makes.
@@ -377,7 +377,7 @@ def _trace_fsdp_step(
     trace = trace_step(
         model, workload, vocab_size=vocab_size, fake_mode=fake_mode, compute_capability=compute_capability,
         num_sms=num_sms, tracker=tracker, autocast=False, offload=cpu_offload, on_step=on_step,
-        contexts=[isolated_sharding_propagation(), _fsdp_instrumented(tracker, cpu_offload=cpu_offload)],
+        contexts=[isolated_sharding_propagation(), fsdp_instrumented(tracker, cpu_offload=cpu_offload)],
     )
     return trace, host[0]
 

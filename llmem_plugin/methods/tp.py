@@ -233,10 +233,14 @@ def _trace_rank(
         if grad_sync:
             model.set_requires_gradient_sync(micro == num_micro - 1)
 
+    contexts = [isolated_sharding_propagation(), _no_view_warnings()]
+    if grad_sync:  # FSDP2 frees and re-allocates by resizing storages; see fsdp.fsdp_instrumented
+        from llmem_plugin.methods.fsdp import fsdp_instrumented
+
+        contexts.append(fsdp_instrumented(tracker, cpu_offload=False))
     trace = trace_step(model, workload, vocab_size=vocab_size, fake_mode=fake_mode,
                        compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker,
-                       contexts=[isolated_sharding_propagation(), _no_view_warnings()],
-                       on_micro_batch=on_micro_batch)
+                       contexts=contexts, on_micro_batch=on_micro_batch)
     return trace, tracker.collectives
 
 

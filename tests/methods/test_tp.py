@@ -229,10 +229,12 @@ def test_dp_gradient_allreduce_spans_nodes():
     assert one_node.comm_intra_node_bytes == tp_only.comm_intra_node_bytes + grad_bytes
     # FSDP2 replicate copies the parameters into its unsharded parameters
     # (FSDPParamGroup.wait_for_unshard, world size 1), alive from forward
-    # through backward.
+    # through backward; FSDP2's buffers are labelled communication buffers
+    # (fsdp.fsdp_instrumented, as for --method fsdp).
     p_bytes = rounded(local_shapes(cfg, 2).values(), 4)
-    assert est.ranks[0].breakdown["parameters"] == tp_only.ranks[0].breakdown["parameters"]
-    assert est.ranks[0].breakdown["activations"] - tp_only.ranks[0].breakdown["activations"] == p_bytes
+    bd, base = est.ranks[0].breakdown, tp_only.ranks[0].breakdown
+    assert bd["parameters"] == base["parameters"] and bd["activations"] == base["activations"]
+    assert bd["comm_buffers"] - base["comm_buffers"] == p_bytes
     # Two NCCL communicators (tp and dp) outside the allocator.
     assert est.ranks[0].device_total_bytes - est.ranks[0].peak_reserved_bytes > (
         tp_only.ranks[0].device_total_bytes - tp_only.ranks[0].peak_reserved_bytes)
