@@ -170,7 +170,7 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
     console.print(table)
     for est in rows:
         if est.host_bytes_per_node:
-            console.print(f"{est.method}: {gib(est.host_bytes_per_node)} GiB of CPU RAM per node for offloaded states")
+            console.print(f"{est.method}: {gib(est.host_bytes_per_node)} GiB of host (CPU) RAM per node: offloaded or pinned copies")
         for note in est.notes:
             console.print(f"{est.method}: {note}")
     for name, why in skipped:

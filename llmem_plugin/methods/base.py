@@ -29,7 +29,7 @@ class RankMemory:
         fits: Whether the rank runs within the GPU's capacity.
         breakdown: Tensor bytes per category at the tensor peak (category
             values as keys; methods may add their own, e.g. "buckets").
-        host_bytes: CPU RAM this rank needs for offloaded states.
+        host_bytes: Host RAM this rank needs (offloaded states, pinned copies).
     """
 
     rank: int
@@ -68,8 +68,9 @@ class MethodEstimate:
 
     @property
     def host_bytes_per_node(self) -> int:
-        """CPU RAM a node needs for offloaded states: every GPU's rank holds
-        its own share (the largest rank's, to be safe)."""
+        """Host RAM a node needs for the ranks' host copies (offloaded states,
+        pinned buffers): every GPU's rank holds its own share (the largest
+        rank's, to be safe)."""
         return max(r.host_bytes for r in self.ranks) * self.layout.gpus_per_node
 
     @property
