@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["fake_process_group", "isolated_sharding_propagation"]

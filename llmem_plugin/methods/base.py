@@ -12,7 +12,34 @@ from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import DeviceOverheads
 from llmem_plugin.tracker import TraceResult
 
-__all__ = ["MethodEstimate", "RankMemory", "rank_memory"]
+__all__ = ["MethodEstimate", "ModelStateBytes", "RankMemory", "rank_memory"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Model-state bytes of one rank by a method's partitioning rules (the
+    closed form that modelled methods check their traces against).
+
+    Attributes:
+        params_bytes: 16-bit parameters on the GPU.
+        grads_bytes: 16-bit gradients kept between backward and step.
+        master_bytes: fp32 master weights on the GPU.
+        optimizer_state_bytes: Optimizer states on the GPU.
+        fp32_grads_bytes: fp32 gradient copies at the step.
+        host_bytes: Host memory per rank (offloaded states, pinned copies).
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    fp32_grads_bytes: int
+    host_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes
+                + self.fp32_grads_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

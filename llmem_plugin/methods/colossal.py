@@ -89,7 +89,7 @@ from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
-from llmem_plugin.methods.base import MethodEstimate, rank_memory
+from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
@@ -237,31 +237,12 @@ def plan_chunks(param_numels: list[int], config: ChunkConfig, *, dp: int) -> lis
 
 
 # ------------------------------------------------------------- model states
-@dataclass(frozen=True, kw_only=True)
-class ColossalModelStates:
-    """Model-state bytes of one rank from the plugin's partitioning rules.
-
-    Attributes:
-        params_bytes: 16-bit parameters at rest (Gemini: chunk shards, which
-            hold the reduced gradients between backward and step).
-        grads_bytes: 16-bit gradients kept to the step (LowLevelZero).
-        master_bytes: fp32 master weights.
-        optimizer_state_bytes: Optimizer states.
-        fp32_grads_bytes: fp32 gradient copies at the step (LowLevelZero).
-        host_bytes: Host memory (Gemini's pinned shard copies).
-    """
-
-    params_bytes: int
-    grads_bytes: int
-    master_bytes: int
-    optimizer_state_bytes: int
-    fp32_grads_bytes: int
-    host_bytes: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes \
-            + self.fp32_grads_bytes
+# The plugins' per-rank model states: params_bytes are the 16-bit parameters
+# at rest (Gemini: chunk shards, which hold the reduced gradients between
+# backward and step), grads_bytes the 16-bit gradients kept to the step
+# (LowLevelZero), fp32_grads_bytes LowLevelZero's fp32 copies at the step,
+# host_bytes Gemini's pinned shard copies.
+ColossalModelStates = ModelStateBytes
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:

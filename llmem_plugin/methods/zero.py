@@ -85,7 +85,7 @@ from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
-from llmem_plugin.methods.base import MethodEstimate, rank_memory
+from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
@@ -219,7 +219,7 @@ def _offload_device(section: Any, default: bool, name: str) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroModelStates:
+class ZeroModelStates(ModelStateBytes):
     """Model-state bytes of one rank, from DeepSpeed's partitioning rules.
 
     Attributes:
@@ -235,18 +235,7 @@ class ZeroModelStates:
         padded_trainable: Trainable elements per rank incl. padding.
     """
 
-    params_bytes: int
-    grads_bytes: int
-    master_bytes: int
-    optimizer_state_bytes: int
-    fp32_grads_bytes: int
-    host_bytes: int
     padded_trainable: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes \
-            + self.fp32_grads_bytes
 
 
 # ----------------------------------------------------------------- planning
