@@ -24,6 +24,19 @@ The plan (:func:`tp_plan`), after torchtitan's ``apply_tp``
   torchtitan's layout with loss parallel off, and transformers' own
   ``colwise_gather_output``; the model's own loss runs on full logits.
   Tied embeddings stay tied (both are ``Shard(0)`` on the vocabulary).
+* LoRA (:func:`_lora_plan`): peft wraps a target Linear as ``lora.Linear``
+  (``base_layer``, ``lora_A.<adapter>``, ``lora_B.<adapter>``). The frozen
+  ``base_layer`` takes the target's style; of the two adapters, the one that
+  meets the base's sharded dimension is sharded with the base's own style and
+  the other is replicated: colwise targets keep ``lora_A`` (``r x in``)
+  replicated, on the replicated input, and shard ``lora_B`` (``out/tp x r``),
+  whose output adds to the base's local columns; rowwise targets shard
+  ``lora_A`` (``r x in/tp``) on the local input, all-reduced (SP:
+  reduce-scattered) like the base's output, and keep ``lora_B`` (``out x r``)
+  replicated (SP: ``SequenceParallel`` on the sequence-sharded stream).
+  peft's forward (``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``)
+  then adds local tensors of one shape; the adapters stay in fp32 as peft
+  keeps them. Replicated adapters are DTensors, as the norms are.
 * Norms: replicated DTensors (torchtitan's ``NoParallel``), since foreach
   AdamW refuses a group that mixes DTensors and plain tensors; with sequence
   parallel, ``SequenceParallel``. Qwen3's per-head ``q_norm``/``k_norm`` see
@@ -43,7 +56,9 @@ accelerate accumulates). Mixed precision stays the workload's autocast over
 fp32 shards; no FSDP2 ``MixedPrecisionPolicy`` is set.
 
 Known limitations:
-    * Llama-family decoders only (:data:`SUPPORTED_MODEL_TYPES`); no LoRA.
+    * Llama-family decoders only (:data:`SUPPORTED_MODEL_TYPES`); LoRA on the
+      plan's projections only (:data:`_LORA_TARGETS`), and not on
+      ``down_proj`` with gradient checkpointing (see :func:`_check`).
     * One rank is traced: TP ranks are symmetric when ``tp`` divides heads,
       kv heads and the intermediate size (checked), and dp ranks are alike.
       When ``tp`` does not divide the vocabulary, rank 0 holds the larger
@@ -59,6 +74,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import warnings
 from collections.abc import Iterator
@@ -99,6 +115,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Decoders whose modules the plan names (transformers 5.23: LlamaDecoderLayer
 # and its Mistral/Qwen2/Qwen3 copies share the q/k/v/o and gate/up/down names).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# The Linear modules the plan shards, the only LoRA targets modelled (peft's
+# "all-linear" is these: it leaves out the output layer).
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def tp_plan(config: Any, *, sequence_parallel: bool = False) -> dict[str, Any]:
@@ -151,6 +171,74 @@ def tp_plan(config: Any, *, sequence_parallel: bool = False) -> dict[str, Any]:
         for name in ("q_norm", "k_norm"):
             plan[f"model.layers.*.self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+def _lora_plan(model: nn.Module, plan: dict[str, Any], *, sequence_parallel: bool) -> dict[str, Any]:
+    """``plan`` with each peft LoRA layer of ``model`` split into its base
+    layer and adapters (see the module docstring).
+
+    A wildcard key that matches a LoRA layer is expanded into one key per
+    module it matches, so that targets need not cover every layer.
+
+    Args:
+        model: The transformers model (peft's base model), LoRA applied.
+        plan: :func:`tp_plan` of ``model``'s config.
+        sequence_parallel: As for :func:`tp_plan`.
+
+    Raises:
+        UnsupportedError: A LoRA layer the plan does not shard column- or
+            row-wise (e.g. on ``lm_head`` or ``embed_tokens``).
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    names = [n for n, _ in model.named_modules()]
+    lora = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not lora:
+        return plan
+    out: dict[str, Any] = {}
+    placed: set[str] = set()
+    for key, style in plan.items():
+        hits = [n for n in names if _matches(key, n)]
+        if not any(n in lora for n in hits):
+            out[key] = style
+            continue
+        for name in hits:
+            if name not in lora:
+                out[name] = style
+                continue
+            if name.rsplit(".", 1)[-1] not in _LORA_TARGETS or not isinstance(lora[name], LoraLinear):
+                continue  # refused below
+            assert type(style) in (ColwiseParallel, RowwiseParallel), (name, style)
+            out[f"{name}.base_layer"] = style
+            for adapter in lora[name].lora_A:
+                if type(style) is ColwiseParallel:  # A sees the replicated input, B the base's output columns
+                    out[f"{name}.lora_A.{adapter}"] = _replicated()
+                    out[f"{name}.lora_B.{adapter}"] = style
+                else:  # A sees the base's input shard, B the reduced output
+                    out[f"{name}.lora_A.{adapter}"] = style
+                    out[f"{name}.lora_B.{adapter}"] = (
+                        SequenceParallel(use_local_output=False) if sequence_parallel else _replicated()
+                    )
+            placed.add(name)
+    others = sorted({n.rsplit(".", 1)[-1] for n in lora if n not in placed})
+    if others:
+        raise UnsupportedError(
+            f"tensor parallel does not model LoRA on {', '.join(others)}: the plan shards LoRA targets "
+            f"{', '.join(_LORA_TARGETS)} only. HINT: pass --lora-targets with some of those"
+        )
+    return out
+
+
+def _matches(key: str, name: str) -> bool:
+    """Whether plan key ``key`` names module ``name`` (as ``parallelize_module`` matches, atom by atom)."""
+    atoms, parts = key.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms, strict=True))
 
 
 @functools.cache
@@ -273,9 +361,20 @@ def _parallelize(model: nn.Module, *, layout: Layout, data_parallel: str, sequen
     else:
         mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
         tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    # peft's PeftModel wraps the transformers model; the plan names the latter's modules.
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    inp, out = base.get_input_embeddings(), base.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
-    parallelize_module(model, tp_mesh, tp_plan(model.config, sequence_parallel=sequence_parallel))
+    plan = tp_plan(base.config, sequence_parallel=sequence_parallel)
+    if base is not model:
+        plan = _lora_plan(base, plan, sequence_parallel=sequence_parallel)
+    frozen = {n for n, p in base.named_parameters() if not p.requires_grad}
+    parallelize_module(base, tp_mesh, plan)
+    # SequenceParallel re-registers the norms' weights as new Parameters,
+    # trainable (torch/distributed/tensor/parallel/style.py,
+    # _replicate_module_fn): LoRA's frozen norms stay frozen.
+    for n, p in base.named_parameters():
+        p.requires_grad_(n not in frozen)
     if tied:
         # Each style replaced its own module's parameter; both are Shard(0) on
         # the vocabulary, so one DTensor serves both again.
@@ -292,10 +391,10 @@ def _parallelize(model: nn.Module, *, layout: Layout, data_parallel: str, sequen
         # apply_replicate_to_model / apply_fsdp_to_model): embeddings, each
         # decoder layer, norm + lm_head, then the root. Tied embeddings share
         # one group with the norm and lm_head.
-        groups: list[Any] = [[inp, model.model.norm, out]] if tied else [inp]
-        groups += list(model.model.layers)
+        groups: list[Any] = [[inp, base.model.norm, out]] if tied else [inp]
+        groups += list(base.model.layers)
         if not tied:
-            groups.append([model.model.norm, out])
+            groups.append([base.model.norm, out])
         for group in groups:
             wrap(group, mesh=dp_mesh)
         wrap(model, mesh=dp_mesh)
@@ -353,10 +452,29 @@ def _check(model_config: Any, workload: Workload, *, layout: Layout, preset: str
             f"--method {preset} needs more GPUs than --tp {layout.tp} for its data-parallel dimension, "
             f"got --gpus {layout.num_gpus}. HINT: use --method tp"
         )
-    if workload.lora is not None:
+    lora = workload.lora
+    if lora is not None and lora.target_modules != ("all-linear",):
+        others = [t for t in lora.target_modules if t.rsplit(".", 1)[-1] not in _LORA_TARGETS]
+        if others:
+            raise UnsupportedError(
+                f"--method {preset} does not model LoRA on {', '.join(others)}: the TP plan shards LoRA targets "
+                f"{', '.join(_LORA_TARGETS)} only. HINT: pass --lora-targets with some of those, "
+                "or use a data-parallel --method"
+            )
+    if lora is not None and workload.grad_checkpointing and any(
+        t == "all-linear" or t.rsplit(".", 1)[-1] == "down_proj" for t in lora.target_modules
+    ):
+        # Non-reentrant recomputation stops once the last saved tensor is
+        # recomputed (torch/utils/checkpoint.py, early stop): after down_proj's
+        # adapters, before its base output's all-reduce is waited. The
+        # un-waited collective stays in torch's work registry
+        # (torch/csrc/distributed/c10d/Functional.cpp) with its output: a real
+        # 2-process gloo run keeps b x s x h per layer and micro-batch, which
+        # the fake process group does not.
         raise UnsupportedError(
-            f"--method {preset} does not model LoRA: the TP plan shards nn.Linear modules and peft wraps them. "
-            "HINT: drop --lora-rank, or use a data-parallel --method"
+            f"--method {preset} does not model LoRA on down_proj with gradient checkpointing: the recomputation "
+            "leaves down_proj's all-reduce un-waited, and torch keeps its output alive. "
+            "HINT: leave down_proj out of --lora-targets, or drop --grad-checkpointing"
         )
     model_type = getattr(model_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -400,7 +518,8 @@ def estimate(
     Raises:
         ConfigError: ``tp`` < 2, a world size the preset cannot use, or a
             ``tp`` that does not divide heads, kv heads or intermediate size.
-        UnsupportedError: A model type with no plan here, or LoRA.
+        UnsupportedError: A model type with no plan here, LoRA on modules
+            the plan does not shard, or on down_proj with checkpointing.
         TraceError: The step could not be traced.
     """
     from llmem_plugin.estimate import DEFAULT_GPU
@@ -442,6 +561,9 @@ def estimate(
     elif data_parallel == "fully_shard":
         notes.append(f"FSDP2 fully_shard {layout.dp}-way over the dp mesh dimension, gradients reduced on the "
                      "last micro-batch")
+    if wl.lora is not None:
+        notes.append("LoRA: column-wise targets keep lora_A replicated and shard lora_B column-wise, row-wise "
+                     "targets shard lora_A row-wise and keep lora_B replicated; frozen bases sharded as above")
     if vocab % layout.tp:
         notes.append(f"--tp {layout.tp} does not divide the vocabulary ({vocab}): rank 0 holds the larger shard")
     notes.append("communication: collectives counted from the traced step, NCCL ring volumes")

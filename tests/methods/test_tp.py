@@ -13,7 +13,12 @@ Closed-form rules (not read from the trace):
 * DTensor computes the row-wise embedding's weight gradient replicated, at
   the full ``V x h`` (torch/distributed/tensor/_ops/_embedding_ops.py:
   grad_out and indices are replicated, so the all-replicate strategy costs no
-  communication and wins); the real gloo run below shows the same.
+  communication and wins); the real gloo run below shows the same;
+* LoRA (peft keeps the adapters in fp32): a colwise target's ``lora_A`` is
+  replicated (``r x in``) and its ``lora_B`` sharded like the base
+  (``out/tp x r``); a rowwise target's ``lora_A`` is sharded like the base
+  (``r x in/tp``) and its ``lora_B`` replicated (``out x r``). Only the
+  adapters have gradients and AdamW states.
 """
 
 from __future__ import annotations
@@ -179,10 +184,101 @@ def test_other_model_types_are_unsupported(arch):
     assert "llama, mistral, qwen2, qwen3" in str(info.value)
 
 
-def test_lora_is_unsupported():
-    wl = Workload(seq_len=32, micro_batch_size=2, lora=LoraSpec(rank=4))
-    with pytest.raises(UnsupportedError, match="LoRA"):
+def lora_shapes(cfg, t: int, r: int, targets) -> dict[str, tuple[int, ...]]:
+    """Each LoRA adapter's local shape on one of ``t`` TP ranks, from the config alone."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    colwise = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, inter), "up_proj": (h, inter)}
+    rowwise = {"o_proj": (q, h), "down_proj": (inter, h)}
+    shapes = {}
+    for i in range(cfg.num_hidden_layers):
+        for name in targets:
+            if name in colwise:
+                d_in, d_out = colwise[name]
+                shapes |= {f"{i}.{name}.A": (r, d_in), f"{i}.{name}.B": (d_out // t, r)}
+            else:
+                d_in, d_out = rowwise[name]
+                shapes |= {f"{i}.{name}.A": (r, d_in // t), f"{i}.{name}.B": (d_out, r)}
+    return shapes
+
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize(("precision", "targets"), [
+    ("bf16-mixed", ("all-linear",)),
+    ("bf16", ("all-linear",)),
+    ("bf16-mixed", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("bf16-mixed", ("up_proj", "down_proj")),
+])
+def test_lora_model_states_per_rank_equal_closed_forms(precision, targets):
+    cfg = tiny_config("llama")
+    r = 4
+    wl = Workload(seq_len=32, micro_batch_size=2, precision=precision, lora=LoraSpec(rank=r, target_modules=targets))
+    itemsize = 2 if precision == "bf16" else 4
+    base = rounded(local_shapes(cfg, 2).values(), itemsize)  # frozen, sharded as without LoRA
+    adapters = rounded(lora_shapes(cfg, 2, r, ALL_LINEAR if targets == ("all-linear",) else targets).values(), 4)
+    buffers = sum(round_allocation(b.numel() * b.element_size())
+                  for b in modelbuild.build_model(cfg, wl, device="meta").buffers())
+
+    result, _, _ = trace(cfg, wl)
+    bd = result.phase_breakdowns[Phase.OPTIMIZER]
+    assert bd[C.PARAMETER] == base + adapters + buffers
+    assert bd[C.GRADIENT] == adapters
+    assert bd[C.OPTIMIZER_STATE] == 2 * adapters
+    assert bd[C.TEMPORARY] == adapters  # the _foreach_sqrt list
+    assert result.phase_peaks[Phase.OPTIMIZER] == sum(bd.values())
+    # Sequence parallel moves activations, not model states; the norms it
+    # re-registers stay frozen.
+    sp, _, _ = trace(cfg, wl, sequence_parallel=True)
+    assert sp.phase_breakdowns[Phase.OPTIMIZER] == bd
+
+
+def test_lora_adapters_are_sharded_with_their_base():
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from llmem_plugin.methods._fakepg import fake_process_group
+
+    cfg = tiny_config("llama")
+    wl = Workload(seq_len=32, micro_batch_size=2, lora=LoraSpec(rank=4, target_modules=("all-linear",)))
+    model = modelbuild.build_model(cfg, wl, device="meta")
+    with fake_process_group(world_size=2, rank=0):
+        tp._parallelize(model, layout=Layout(num_gpus=2, tp=2), data_parallel="none", sequence_parallel=False)
+    layer = model.get_base_model().model.layers[0]
+    for proj, sharded in [(layer.self_attn.q_proj, Shard(0)), (layer.mlp.down_proj, Shard(1))]:
+        a, b = proj.lora_A["default"].weight, proj.lora_B["default"].weight
+        assert proj.base_layer.weight.placements == (sharded,)
+        assert (a.placements, b.placements) == (((Replicate(),), (Shard(0),)) if sharded == Shard(0)
+                                                else ((Shard(1),), (Replicate(),)))
+        assert a.dtype == b.dtype == torch.float32 and a.requires_grad and b.requires_grad
+        assert not proj.base_layer.weight.requires_grad
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "lm_head"), ("embed_tokens",)])
+def test_lora_off_the_plan_is_unsupported(targets):
+    wl = Workload(seq_len=32, micro_batch_size=2, lora=LoraSpec(rank=4, target_modules=targets))
+    with pytest.raises(UnsupportedError, match=f"does not model LoRA on {targets[-1]}") as info:
         run(tiny_config("llama"), wl)
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in str(info.value)
+    # The plan itself refuses LoRA layers it does not shard (past the
+    # estimate's check on the target names).
+    with pytest.raises(UnsupportedError, match=f"does not model LoRA on {targets[-1]}"):
+        trace(tiny_config("llama"), wl)
+
+
+@pytest.mark.parametrize("targets", [("all-linear",), ("down_proj",)])
+def test_lora_on_down_proj_with_checkpointing_is_unsupported(targets):
+    """The recomputation stops after down_proj's adapters, leaving its base
+    output's all-reduce un-waited: a real gloo run keeps that output (torch's
+    functional-collective work registry), the fake process group does not."""
+    wl = Workload(seq_len=32, micro_batch_size=2, grad_checkpointing=True,
+                  lora=LoraSpec(rank=4, target_modules=targets))
+    with pytest.raises(UnsupportedError, match="LoRA on down_proj with gradient checkpointing"):
+        run(tiny_config("llama"), wl)
+    run(tiny_config("llama"), Workload(seq_len=32, micro_batch_size=2, grad_checkpointing=True,
+                                       lora=LoraSpec(rank=4, target_modules=_GC_TARGETS)))
 
 
 def test_tp_collectives_per_layer_and_ring_volumes():
@@ -248,9 +344,24 @@ _CASES = {
                        "wl": {"grad_checkpointing": True, "grad_accum_steps": 2}},
     "qwen2-tied-bias": {"preset": "tp", "arch": "qwen2", "sequence_parallel": False, "wl": {}},
 }
+# LoRA (bf16-mixed, fp32 adapters): all the plan's projections; the
+# attention ones with dropout (a random op on the replicated input) under SP;
+# with checkpointing, all but down_proj (refused, see the test below).
+_GC_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+_LORA_CASES = {
+    "llama-lora": {"preset": "tp", "arch": "llama", "sequence_parallel": False,
+                   "wl": {"lora": {"rank": 4, "target_modules": ["all-linear"]}}},
+    "llama-lora-sp-dropout": {"preset": "tp", "arch": "llama", "sequence_parallel": True,
+                              "wl": {"lora": {"rank": 4, "dropout": 0.1}}},
+    "qwen2-lora-gc-accum": {"preset": "tp", "arch": "qwen2", "sequence_parallel": False,
+                            "wl": {"lora": {"rank": 4, "target_modules": list(_GC_TARGETS)},
+                                   "grad_checkpointing": True, "grad_accum_steps": 2}},
+}
 _CASES_2D = {
-    preset: {"preset": preset, "arch": "llama", "sequence_parallel": False, "wl": {"grad_accum_steps": 2}}
+    preset + suffix: {"preset": preset, "arch": "llama", "sequence_parallel": False,
+                      "wl": {"grad_accum_steps": 2, **lora}}
     for preset in ("dp-tp", "fsdp-tp")
+    for suffix, lora in (("", {}), ("-lora", {"lora": {"rank": 4, "target_modules": ["all-linear"]}}))
 }
 
 _WORKER = textwrap.dedent("""
@@ -262,7 +373,7 @@ _WORKER = textwrap.dedent("""
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.methods import tp
     from llmem_plugin.methods.layout import Layout
-    from llmem_plugin.workload import Workload
+    from llmem_plugin.workload import LoraSpec, Workload
     from tests.conftest import tiny_config
 
     dist.init_process_group("gloo")
@@ -283,7 +394,10 @@ _WORKER = textwrap.dedent("""
 
     out = {}
     for name, case in json.loads(os.environ["CASES"]).items():
-        wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", **case["wl"])
+        kwargs = dict(case["wl"])
+        if "lora" in kwargs:
+            kwargs["lora"] = LoraSpec(**kwargs["lora"])
+        wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", **kwargs)
         cfg = tiny_config(case["arch"])
         torch.manual_seed(0)
         model = modelbuild.build_model(cfg, wl, device="cpu")
@@ -320,6 +434,13 @@ def _real_runs(tmp_path, *, world: int, cases: dict) -> dict[int, dict]:
     return {r["rank"]: r["cases"] for r in runs}
 
 
+def _workload(case: dict) -> Workload:
+    kwargs = dict(case["wl"])
+    if "lora" in kwargs:
+        kwargs["lora"] = LoraSpec(**kwargs["lora"])
+    return Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", **kwargs)
+
+
 def _as_json(result, colls) -> dict:
     return {"peak": result.peak_bytes, "breakdown": {c.value: v for c, v in result.breakdown.items()},
             "phase_peaks": {p.value: v for p, v in result.phase_peaks.items()},
@@ -340,13 +461,24 @@ def test_fake_trace_equals_real_two_process_gloo_tp_run(tmp_path):
             assert fake == measured, (rank, name)
 
 
+def test_fake_trace_equals_real_two_process_gloo_tp_lora_run(tmp_path):
+    """LoRA under TP: every rank of a real 2-process gloo run allocates what the
+    fake trace of that rank predicts, byte for byte, and issues the same
+    collectives."""
+    real = _real_runs(tmp_path, world=2, cases=_LORA_CASES)
+    for rank in (0, 1):
+        for name, case in _LORA_CASES.items():
+            result, colls, _ = trace(tiny_config(case["arch"]), _workload(case), rank=rank,
+                                     sequence_parallel=case["sequence_parallel"])
+            assert _as_json(result, colls) == real[rank][name], (rank, name)
+
+
 def test_fake_trace_equals_real_four_process_gloo_2d_runs(tmp_path):
     """dp x TP on a 2 x 2 mesh, with FSDP2 replicate and fully_shard over dp,
-    two micro-batches (gradients synced on the last): every real rank equals
-    the fake trace of rank 0."""
+    two micro-batches (gradients synced on the last), with and without LoRA:
+    every real rank equals the fake trace of rank 0."""
     real = _real_runs(tmp_path, world=4, cases=_CASES_2D)
-    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", grad_accum_steps=2)
-    for preset in _CASES_2D:
-        result, colls, _ = trace(tiny_config("llama"), wl, preset=preset, num_gpus=4)
+    for name, case in _CASES_2D.items():
+        result, colls, _ = trace(tiny_config("llama"), _workload(case), preset=case["preset"], num_gpus=4)
         for rank in range(4):
-            assert _as_json(result, colls) == real[rank][preset], (preset, rank)
+            assert _as_json(result, colls) == real[rank][name], (name, rank)
