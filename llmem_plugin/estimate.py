@@ -17,7 +17,15 @@ from llmem_plugin.step import trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["DEFAULT_GPU", "Estimate", "allocator_events", "estimate", "simulate_trace"]
+__all__ = [
+    "DEFAULT_GPU",
+    "Estimate",
+    "allocator_events",
+    "estimate",
+    "simulate_trace",
+    "uses_cublaslt",
+    "vocab_size_of",
+]
 
 # Points kept in an Estimate's timeline; the full event stream of an 8B step
 # has tens of thousands of events.
@@ -143,7 +151,7 @@ def _count_params(model: nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def _vocab_size(model: nn.Module) -> int:
+def vocab_size_of(model: nn.Module) -> int:
     emb = model.get_input_embeddings()
     return int(emb.num_embeddings)
 
@@ -153,7 +161,7 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None) -> Trac
 
     gpu = gpu or get_gpu(DEFAULT_GPU)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    vocab = _vocab_size(model)
+    vocab = vocab_size_of(model)
     modelbuild.fakeify(model, fake_mode)
     try:
         return trace_step(
@@ -179,7 +187,7 @@ def _describe(source: Any) -> str:
     return getattr(source, "_name_or_path", None) or type(source).__name__
 
 
-def _uses_cublaslt(model: nn.Module) -> bool:
+def uses_cublaslt(model: nn.Module) -> bool:
     """Whether a Linear with bias runs (addmm's cuBLASLt path); transformers'
     GPT-2-style Conv1D calls addmm with its bias too."""
     return any(
@@ -317,7 +325,7 @@ def estimate(
     params, trainable = _count_params(full)
     model_config = getattr(full, "config", None)
     depth = modelbuild.num_layers(model_config) if model_config is not None else 0
-    overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=_uses_cublaslt(full))
+    overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=uses_cublaslt(full))
     capacity = target.capacity_bytes
 
     def trace(m: nn.Module, w: Workload) -> TraceResult:

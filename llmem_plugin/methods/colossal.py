@@ -94,8 +94,18 @@ from llmem_plugin.methods.layout import Layout
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
-__all__ = ["PRESETS", "ChunkConfig", "ChunkPlan", "ColossalModelStates", "estimate", "model_states",
-           "plan_chunks", "search_chunk_config"]
+__all__ = [
+    "ChunkConfig",
+    "ChunkPlan",
+    "ColossalModelStates",
+    "PRESETS",
+    "bucket_elems",
+    "estimate",
+    "model_states",
+    "plan_chunks",
+    "search_chunk_config",
+    "unique_params",
+]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gemini": {"plugin": "gemini"},
@@ -245,7 +255,7 @@ def plan_chunks(param_numels: list[int], config: ChunkConfig, *, dp: int) -> lis
 ColossalModelStates = ModelStateBytes
 
 
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+def unique_params(model: nn.Module) -> list[nn.Parameter]:
     seen: set[int] = set()
     return [p for p in model.parameters() if not (id(p) in seen or seen.add(id(p)))]
 
@@ -297,7 +307,7 @@ def _check_options(plugin: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _setup(model: Any, workload: Workload, layout: Layout, plugin: str,
            options: dict[str, Any]) -> tuple[nn.Module, torch.dtype, OptimizerKind]:
-    from llmem_plugin.methods.zero import _build
+    from llmem_plugin.methods.zero import build_training_model
 
     name = "GeminiPlugin" if plugin == "gemini" else "LowLevelZeroPlugin"
     if layout.tp != 1:
@@ -318,7 +328,7 @@ def _setup(model: Any, workload: Workload, layout: Layout, plugin: str,
             raise UnsupportedError(f"GeminiOptimizer accepts only FusedAdam, CPUAdam or HybridAdam "
                                    f"(_AVAIL_OPTIM_LIST), not --optimizer {workload.optimizer.value}. HINT: use adamw")
     dtype = _dtype(workload, plugin)
-    meta = _build(model, workload, dtype)
+    meta = build_training_model(model, workload, dtype)
     if not any(p.requires_grad for p in meta.parameters()):
         raise ConfigError("the model has no trainable parameters. HINT: check the LoRA targets")
     kind = OptimizerKind.ADAMW_FUSED if plugin == "gemini" else workload.optimizer
@@ -326,14 +336,14 @@ def _setup(model: Any, workload: Workload, layout: Layout, plugin: str,
 
 
 def _gemini_chunks(meta: nn.Module, dp: int, options: dict[str, Any]) -> list[ChunkPlan]:
-    numels = [p.numel() for p in _unique_params(meta)]
+    numels = [p.numel() for p in unique_params(meta)]
     config = search_chunk_config(numels, dp=dp, search_range_m=options.get("search_range_m", 32),
                                  hidden_dim=options.get("hidden_dim"),
                                  min_chunk_size_m=options.get("min_chunk_size_m", 32))
     return plan_chunks(numels, config, dp=dp)
 
 
-def _bucket_elems(options: dict[str, Any]) -> int:
+def bucket_elems(options: dict[str, Any]) -> int:
     # low_level_zero_plugin.py: reduce_bucket_size=reduce_bucket_size_in_m * 1024 * 1024 (elements).
     return int(options.get("reduce_bucket_size_in_m", 12) * _MEGA)
 
@@ -350,7 +360,7 @@ def model_states(model: Any, workload: Workload, *, layout: Layout, plugin: str 
     es = torch.empty((), dtype=dtype).element_size()
     if plugin == "gemini":
         return _gemini_states(_gemini_chunks(meta, layout.dp, options), dp=layout.dp, rank=rank, es=es, pinned=True)
-    return _lowlevel_states(_unique_params(meta), stage=stage, dp=layout.dp, es=es, optimizer=kind)
+    return _lowlevel_states(unique_params(meta), stage=stage, dp=layout.dp, es=es, optimizer=kind)
 
 
 # ------------------------------------------------------------------ tracing
@@ -368,7 +378,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, make_emulator: Any, dty
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = int(model.get_input_embeddings().num_embeddings)
     modelbuild.fakeify(model, fake_mode)
-    params = _unique_params(model)
+    params = unique_params(model)
     tracker = MemoryTracker()
     tracker.watch_modules(model)
     trace_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
@@ -445,10 +455,10 @@ def estimate(
             Gemini; a plugin argument that is not modelled.
     """
     from llmem_plugin.allocator_config import AllocatorConfig
-    from llmem_plugin.estimate import _uses_cublaslt
+    from llmem_plugin.estimate import uses_cublaslt
     from llmem_plugin.methods._colossal_buffers import Gemini, LowLevelZero
     from llmem_plugin.methods._zero_buffers import breakdown
-    from llmem_plugin.methods.zero import _split
+    from llmem_plugin.methods.zero import split_comm
     from llmem_plugin.overheads import device_overheads
 
     if plugin not in ("gemini", "lowlevel") or (plugin == "lowlevel" and stage not in (1, 2)):
@@ -458,7 +468,7 @@ def estimate(
     dp = layout.dp
     conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version,
-                                 uses_cublaslt=_uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
+                                 uses_cublaslt=uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
     capacity = gpu.capacity_bytes - overheads.outside_allocator_bytes
     if plugin == "gemini":
         chunks = _gemini_chunks(meta, dp, options)
@@ -476,9 +486,9 @@ def estimate(
             "optimizer: HybridAdam (fused, in place on the fp32 shard)",
         ]
     else:
-        bucket = _bucket_elems(options)
+        bucket = bucket_elems(options)
         overlap = options.get("overlap_communication", True)
-        states = _lowlevel_states(_unique_params(meta), stage=stage, dp=dp, es=es, optimizer=kind)
+        states = _lowlevel_states(unique_params(meta), stage=stage, dp=dp, es=es, optimizer=kind)
 
         def make(buf, m, params):
             return LowLevelZero(buf, m, params, stage=stage, dp=dp, bucket=bucket, overlap=overlap,
@@ -494,7 +504,7 @@ def estimate(
     trace, buf, _ = _trace_rank(meta, workload, make_emulator=make, dtype=dtype, gpu=gpu, capacity=capacity)
     rank = rank_memory(breakdown(trace, buf), rank=0, gpu=gpu, overheads=overheads, alloc_conf=conf,
                        host_bytes=states.host_bytes)
-    intra, inter = _split(buf.sent_bytes, layout)
+    intra, inter = split_comm(buf.sent_bytes, layout)
     if dtype == torch.float16:
         notes.append("fp16 traced in bf16 (same element size)")
     if states.host_bytes:

@@ -59,7 +59,7 @@ is "hpp.py"):
   LowLevelZero's reduction); ``plugin.no_sync`` is not modelled.
 
 Communication: TP collectives as the traced step issues them (NCCL ring
-volumes, :func:`.tp._comm_bytes`); the dp gradient all-reduce of DDP, per
+volumes, :func:`.tp.comm_bytes`); the dp gradient all-reduce of DDP, per
 micro-batch, ``2(d-1)/d`` of the local 16-bit gradient bytes; LowLevelZero's
 dp collectives as :mod:`.colossal` counts them. A dp ring spans
 ``num_nodes`` nodes: ``num_nodes / d`` of its bytes go between nodes.
@@ -344,13 +344,13 @@ class _AmpOptimizer:
 def _wrap_ddp(model: nn.Module, dp_group: Any) -> nn.Module:
     """HybridParallelModule's ``DDP(module, process_group=dp_group, **ddp_config)``,
     run under the fake group as :mod:`.ddp` runs it."""
-    from llmem_plugin.methods.ddp import _bucket_passthrough, _NoRebuild
+    from llmem_plugin.methods.ddp import bucket_passthrough, NoRebuild
 
     # broadcast_buffers=True is torch's default (passing it warns in torch 2.13).
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=25,
                                               gradient_as_bucket_view=False)
-    ddp.register_comm_hook(None, _bucket_passthrough)
-    ddp.reducer = _NoRebuild(ddp.reducer)
+    ddp.register_comm_hook(None, bucket_passthrough)
+    ddp.reducer = NoRebuild(ddp.reducer)
     return ddp
 
 
@@ -374,9 +374,9 @@ def _trace_rank(model: nn.Module, workload: Workload, *, layout: Layout, zero_st
     )
     from llmem_plugin.methods._rank_tracker import RankTracker
     from llmem_plugin.methods._zero_buffers import Buffers
-    from llmem_plugin.methods.colossal import _bucket_elems, _unique_params
-    from llmem_plugin.methods.ddp import _no_data_reads
-    from llmem_plugin.methods.tp import _fakeify
+    from llmem_plugin.methods.colossal import bucket_elems, unique_params
+    from llmem_plugin.methods.ddp import no_data_reads
+    from llmem_plugin.methods.tp import fakeify_sharded
     from llmem_plugin.step import NUM_ITERATIONS, host_resident_state
 
     vocab = int(model.config.vocab_size)
@@ -387,24 +387,24 @@ def _trace_rank(model: nn.Module, workload: Workload, *, layout: Layout, zero_st
         tp_mesh, dp_group = mesh["tp"], mesh["dp"].get_group()
         _shard(model, tp_mesh, padded=padded)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        _fakeify(model, fake_mode)
+        fakeify_sharded(model, fake_mode)
         _localize(model)
         model.loss_function = functools.partial(_dist_cross_entropy, group=tp_mesh.get_group(), padded=padded,
                                                 dtype=trace_dtype)
-        params = _unique_params(model)
+        params = unique_params(model)
         tracker = RankTracker(fake_mode)
         tracker.watch_modules(model)
         buf = Buffers(tracker, SimpleNamespace(dtype=trace_dtype, es=trace_dtype.itemsize), capacity=capacity)
         if zero_stage == 0:
             emu: Any = _AmpOptimizer(buf, params, workload.optimizer)
         else:
-            emu = LowLevelZero(buf, model, params, stage=1, dp=layout.dp, bucket=_bucket_elems(
+            emu = LowLevelZero(buf, model, params, stage=1, dp=layout.dp, bucket=bucket_elems(
                 {"reduce_bucket_size_in_m": options.get("zero_bucket_size_in_m", 12)}),
                 overlap=options.get("overlap_communication", True), optimizer=workload.optimizer,
                 grad_accum_steps=workload.grad_accum_steps)
         b, s, ga = workload.micro_batch_size, workload.seq_len, workload.grad_accum_steps
         try:
-            with fake_mode, tracker, isolated_sharding_propagation(), _no_data_reads():
+            with fake_mode, tracker, isolated_sharding_propagation(), no_data_reads():
                 tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
                 # zero_stage 1: LowLevelZero allocates the working params itself
                 # (the model's stand for views into them: HOST, never counted).
@@ -532,14 +532,14 @@ def estimate(
     from llmem_plugin.errors import LLMemError, TraceError
     from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.methods.ddp import ring_allreduce_bytes
-    from llmem_plugin.methods.tp import _comm_bytes
-    from llmem_plugin.methods.zero import _build
+    from llmem_plugin.methods.tp import comm_bytes
+    from llmem_plugin.methods.zero import build_training_model
     from llmem_plugin.overheads import device_overheads
 
     config = getattr(model, "config", None) if isinstance(model, nn.Module) else modelbuild.resolve_config(model)
     _check(config, workload, layout=layout, preset=preset, zero_stage=zero_stage, options=options)
     dtype = _dtype(workload, zero_stage)
-    meta = _build(model, workload, dtype)
+    meta = build_training_model(model, workload, dtype)
     conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     uses_lt = any(isinstance(m, nn.Linear) and m.bias is not None for m in meta.modules())
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
@@ -554,7 +554,7 @@ def estimate(
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise TraceError(f"the HybridParallelPlugin step could not be traced: {type(e).__name__}: {first}") from e
     rank = rank_memory(breakdown(trace, buf), rank=0, gpu=gpu, overheads=overheads, alloc_conf=conf)
-    intra, inter = _comm_bytes(collectives, layout=layout, tp_group=tp_group)
+    intra, inter = comm_bytes(collectives, layout=layout, tp_group=tp_group)
     es = 4 if dtype == torch.float32 else 2
     local_grad_bytes = es * sum(p.numel() for p in _local_trainable(meta))
     if zero_stage == 0:  # DDP: one all-reduce of the local grads per micro-batch

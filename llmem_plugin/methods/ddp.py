@@ -41,14 +41,14 @@ from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import Workload
 
-__all__ = ["PRESETS", "estimate"]
+__all__ = ["NoRebuild", "PRESETS", "bucket_passthrough", "estimate", "no_data_reads"]
 
 # torch/nn/parallel/distributed.py: DistributedDataParallel(bucket_cap_mb=None)
 # means 25 MiB; gradient_as_bucket_view defaults to False.
 PRESETS: dict[str, dict[str, Any]] = {"ddp": {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}}
 
 
-class _NoRebuild:
+class NoRebuild:
     """The Reducer, with bucket rebuilding switched off (see the module docstring)."""
 
     def __init__(self, reducer: Any) -> None:
@@ -61,7 +61,7 @@ class _NoRebuild:
         return getattr(self._reducer, name)
 
 
-def _bucket_passthrough(state: Any, bucket: Any) -> torch.futures.Future:
+def bucket_passthrough(state: Any, bucket: Any) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -69,13 +69,13 @@ def _bucket_passthrough(state: Any, bucket: Any) -> torch.futures.Future:
 
 # DDP._check_comm_hook inspects the annotations as objects, not the strings
 # `from __future__ import annotations` leaves.
-_bucket_passthrough.__annotations__ = {
+bucket_passthrough.__annotations__ = {
     "state": object, "bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor],
 }
 
 
 @contextlib.contextmanager
-def _no_data_reads() -> Iterator[None]:
+def no_data_reads() -> Iterator[None]:
     from torch.nn.parallel import distributed as ddp_mod
 
     saved = ddp_mod._verify_param_shape_across_processes, ddp_mod._sync_module_states
@@ -92,8 +92,8 @@ def _wrapper(bucket_cap_mb: float, gradient_as_bucket_view: bool):
         ddp = nn.parallel.DistributedDataParallel(
             model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view
         )
-        ddp.register_comm_hook(None, _bucket_passthrough)
-        ddp.reducer = _NoRebuild(ddp.reducer)
+        ddp.register_comm_hook(None, bucket_passthrough)
+        ddp.reducer = NoRebuild(ddp.reducer)
         return ddp
 
     return wrap
@@ -127,7 +127,7 @@ def estimate(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llmem_plugin import modelbuild
-    from llmem_plugin.estimate import _uses_cublaslt, _vocab_size
+    from llmem_plugin.estimate import uses_cublaslt, vocab_size_of
     from llmem_plugin.methods._fakepg import fake_process_group
     from llmem_plugin.overheads import device_overheads
     from llmem_plugin.step import trace_step
@@ -139,12 +139,12 @@ def estimate(
     net = modelbuild.build_model(model, workload, device="meta")
     if getattr(net, "config", None) is not None:
         layout.check_model(net.config)
-    uses_lt = _uses_cublaslt(net)
-    vocab = _vocab_size(net)
+    uses_lt = uses_cublaslt(net)
+    vocab = vocab_size_of(net)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     modelbuild.fakeify(net, fake_mode)
-    with fake_process_group(layout.num_gpus, 0), _no_data_reads():
+    with fake_process_group(layout.num_gpus, 0), no_data_reads():
         trace = trace_step(net, workload, vocab_size=vocab, fake_mode=fake_mode,
                            compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
                            wrap=_wrapper(bucket_cap_mb, gradient_as_bucket_view))

@@ -109,7 +109,7 @@ def estimate(
         UnsupportedError: A model with no decoder layers to wrap; Adafactor,
             whose step fails on DTensor parameters.
     """
-    from llmem_plugin.estimate import DEFAULT_GPU, _uses_cublaslt
+    from llmem_plugin.estimate import DEFAULT_GPU, uses_cublaslt
 
     wl = workload if workload is not None else Workload()
     if layout.tp != 1:
@@ -142,7 +142,7 @@ def estimate(
     ranks = [0, layout.num_gpus - 1] if uneven and layout.num_gpus > 1 else [0]
     communicators = (layout.num_gpus,) if sharding == "full" else (layout.gpus_per_node, layout.num_nodes)
     overheads = device_overheads(target.compute_capability, torch_version=torch_version,
-                                 uses_cublaslt=_uses_cublaslt(probe), nccl_world_sizes=communicators)
+                                 uses_cublaslt=uses_cublaslt(probe), nccl_world_sizes=communicators)
     rows, notes = [], []
     comm = (0, 0)
     for r in ranks:

@@ -68,7 +68,7 @@ Known limitations:
       all-gathers), which is not modelled.
     * Communication volumes are the collectives the traced step issues; the
       ring factors and the split between links are modelled
-      (:func:`_ring_bytes`, :func:`_comm_bytes`).
+      (:func:`_ring_bytes`, :func:`comm_bytes`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ from llmem_plugin.step import NUM_ITERATIONS, trace_step
 from llmem_plugin.tracker import TraceResult
 from llmem_plugin.workload import Workload
 
-__all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "estimate", "tp_plan"]
+__all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "comm_bytes", "estimate", "fakeify_sharded", "tp_plan"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tp": {"data_parallel": "none"},
@@ -272,7 +272,7 @@ def _replicated():
     return _replicated_style_cls()()
 
 
-def _fakeify(model: nn.Module, fake_mode: Any) -> None:
+def fakeify_sharded(model: nn.Module, fake_mode: Any) -> None:
     """:func:`modelbuild.fakeify` for a model holding DTensors: each local
     shard becomes a fake tensor, wrapped again with the same mesh, placements
     and global shape. Tied parameters stay tied."""
@@ -414,7 +414,7 @@ def _ring_bytes(c: Collective) -> int:
     return c.payload_bytes * factor * (n - 1) // n
 
 
-def _comm_bytes(collectives: list[Collective], *, layout: Layout, tp_group: str) -> tuple[int, int]:
+def comm_bytes(collectives: list[Collective], *, layout: Layout, tp_group: str) -> tuple[int, int]:
     """(intra-node, inter-node) bytes one rank sends per optimizer step.
 
     The TP group stays inside a node (:class:`Layout` enforces it). Any other
@@ -541,7 +541,7 @@ def estimate(
         built, wl, layout=layout, rank=rank, gpu=target, data_parallel=data_parallel,
         sequence_parallel=sequence_parallel,
     )
-    intra, inter = _comm_bytes(collectives, layout=layout, tp_group=tp_group)
+    intra, inter = comm_bytes(collectives, layout=layout, tp_group=tp_group)
     nccl = (layout.tp,) if data_parallel == "none" else (layout.tp, layout.dp)
     overheads = device_overheads(
         target.compute_capability, torch_version=torch_version, uses_cublaslt=uses_cublaslt, nccl_world_sizes=nccl
@@ -588,7 +588,7 @@ def _trace_one(
         tp_mesh, _ = _parallelize(model, layout=layout, data_parallel=data_parallel,
                                   sequence_parallel=sequence_parallel)
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        _fakeify(model, fake_mode)
+        fakeify_sharded(model, fake_mode)
         trace, collectives = _traced(model, workload, vocab_size=int(model.config.vocab_size),
                                      fake_mode=fake_mode, gpu=gpu, grad_sync=data_parallel != "none")
         return trace, collectives, tp_mesh.get_group().group_name

@@ -93,7 +93,16 @@ from llmem_plugin.workload import OptimizerKind, Precision, Workload
 if TYPE_CHECKING:
     from llmem_plugin.methods._zero_buffers import Buffers
 
-__all__ = ["PRESETS", "ZeroCategory", "ZeroConfig", "ZeroModelStates", "estimate", "model_states"]
+__all__ = [
+    "PRESETS",
+    "ZeroCategory",
+    "ZeroConfig",
+    "ZeroModelStates",
+    "build_training_model",
+    "estimate",
+    "model_states",
+    "split_comm",
+]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
@@ -377,7 +386,7 @@ def _training_dtype(workload: Workload, config: dict[str, Any] | None) -> torch.
     return want
 
 
-def _build(model: Any, workload: Workload, dtype: torch.dtype) -> nn.Module:
+def build_training_model(model: Any, workload: Workload, dtype: torch.dtype) -> nn.Module:
     """The meta model in DeepSpeed's dtype: params cast, buffers kept
     ("Cast params only; preserve fp32 buffers", engine.py)."""
     from llmem_plugin import modelbuild
@@ -472,7 +481,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     return tracker.result(), buf, plan
 
 
-def _split(sent: int, layout: Layout) -> tuple[int, int]:
+def split_comm(sent: int, layout: Layout) -> tuple[int, int]:
     """Intra- vs inter-node bytes of a ring collective over all ranks. NCCL
     builds node-major rings, one per NIC rail (NCCL docs, "NCCL_CROSS_NIC"):
     each ring crosses a node boundary once per node, so of a rank's sends a
@@ -491,7 +500,7 @@ def _setup(model: Any, workload: Workload, layout: Layout, stage: int, offload_o
         raise ConfigError(f"DeepSpeed ZeRO here is pure data parallel; got --tp {layout.tp}. "
                           "HINT: drop --tp (tp must be 1) or pick a tensor-parallel --method")
     dtype = _training_dtype(workload, config)
-    meta = _build(model, workload, dtype)
+    meta = build_training_model(model, workload, dtype)
     hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
     cfg = ZeroConfig.from_deepspeed(config, stage=stage, offload_optimizer=offload_optimizer,
                                     offload_param=offload_param, hidden_size=hidden)
@@ -543,14 +552,14 @@ def estimate(
         UnsupportedError: An option or optimizer that is not modelled.
     """
     from llmem_plugin.allocator_config import AllocatorConfig
-    from llmem_plugin.estimate import _uses_cublaslt
+    from llmem_plugin.estimate import uses_cublaslt
     from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.overheads import device_overheads
 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
     conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version,
-                                 uses_cublaslt=_uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
+                                 uses_cublaslt=uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
     capacity = gpu.capacity_bytes - overheads.outside_allocator_bytes
     plan_args = {"cfg": cfg, "dp": layout.dp, "dtype": dtype, "optimizer": kind}
     ranks_to_trace = [0]
@@ -561,14 +570,14 @@ def estimate(
             ranks_to_trace.append(worst)
     ranks, sent = [], 0
     for i, rank in enumerate(ranks_to_trace):
-        m = meta if i == 0 else _build(model, workload, dtype)  # tracing fakeifies in place
+        m = meta if i == 0 else build_training_model(model, workload, dtype)  # tracing fakeifies in place
         trace, buf, plan = _trace_rank(m, workload, plan_args={**plan_args, "rank": rank}, gpu=gpu,
                                        capacity=capacity)
         states = _states(plan, workload.grad_accum_steps)
         ranks.append(rank_memory(breakdown(trace, buf), rank=rank, gpu=gpu, overheads=overheads,
                                  alloc_conf=conf, host_bytes=states.host_bytes))
         sent = max(sent, buf.sent_bytes)
-    intra, inter = _split(sent, layout)
+    intra, inter = split_comm(sent, layout)
     notes = [
         (f"ZeRO-{stage} modelled from DeepSpeed 0.19.8 buffer rules over a traced step in {dtype}: "
          "activations and temporaries traced, DeepSpeed buffers modelled, allocator replayed"),

@@ -62,7 +62,7 @@ def _trace(preset: str, *, dp: int = 2, wl: Workload = WL, **options):
             return Gemini(buf, m, params, chunks=chunks, dp=dp, rank=0)
     else:
         def make(buf, m, params):
-            return LowLevelZero(buf, m, params, stage=stage, dp=dp, bucket=colossal._bucket_elems(settings),
+            return LowLevelZero(buf, m, params, stage=stage, dp=dp, bucket=colossal.bucket_elems(settings),
                                 overlap=settings.get("overlap_communication", True), optimizer=kind,
                                 grad_accum_steps=wl.grad_accum_steps)
     return colossal._trace_rank(meta, wl, make_emulator=make, dtype=dtype, gpu=H100, capacity=H100.capacity_bytes)
@@ -79,7 +79,7 @@ def _max_live(trace, buf) -> dict:
 
 def _params(model=None):
     meta = colossal._setup(model or tiny_config("llama"), WL, Layout(num_gpus=1), "lowlevel", {})[0]
-    return colossal._unique_params(meta)
+    return colossal.unique_params(meta)
 
 
 # ------------------------------------------------------------------ registry
@@ -159,7 +159,7 @@ def test_chunk_search_equals_colossalai():
 
     meta = modelbuild.build_model(model, WL, device="meta")
     module = nn.Module()
-    for i, p in enumerate(colossal._unique_params(meta)):
+    for i, p in enumerate(colossal.unique_params(meta)):
         module.register_parameter(f"p{i}", nn.Parameter(p.detach(), requires_grad=True))
     for dp, kw in [(2, SMALL_CHUNKS), (4, SMALL_CHUNKS), (2, {})]:
         with fake_process_group(world_size=dp):

@@ -101,10 +101,10 @@ def _max_live(cfg, *, num_gpus: int, zero_stage: int) -> dict:
     """Highest live bytes of each modelled buffer label over the traced steps."""
     import torch
 
-    from llmem_plugin.methods.zero import _build
+    from llmem_plugin.methods.zero import build_training_model
 
     trace, buf, _, _ = hybrid._trace_rank(
-        _build(cfg, WL, torch.bfloat16), WL, layout=Layout(num_gpus=num_gpus, tp=2), zero_stage=zero_stage,
+        build_training_model(cfg, WL, torch.bfloat16), WL, layout=Layout(num_gpus=num_gpus, tp=2), zero_stage=zero_stage,
         dtype=torch.bfloat16, gpu=H100, capacity=H100.capacity_bytes, options={})
     cur, top = defaultdict(int), defaultdict(int)
     for sign, idx, nbytes in trace.events:

