@@ -95,10 +95,10 @@ from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResu
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = [
+    "PRESETS",
     "ChunkConfig",
     "ChunkPlan",
     "ColossalModelStates",
-    "PRESETS",
     "bucket_elems",
     "estimate",
     "model_states",

@@ -344,7 +344,7 @@ class _AmpOptimizer:
 def _wrap_ddp(model: nn.Module, dp_group: Any) -> nn.Module:
     """HybridParallelModule's ``DDP(module, process_group=dp_group, **ddp_config)``,
     run under the fake group as :mod:`.ddp` runs it."""
-    from llmem_plugin.methods.ddp import bucket_passthrough, NoRebuild
+    from llmem_plugin.methods.ddp import NoRebuild, bucket_passthrough
 
     # broadcast_buffers=True is torch's default (passing it warns in torch 2.13).
     ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=25,

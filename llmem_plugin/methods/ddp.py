@@ -41,7 +41,7 @@ from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import Workload
 
-__all__ = ["NoRebuild", "PRESETS", "bucket_passthrough", "estimate", "no_data_reads"]
+__all__ = ["PRESETS", "NoRebuild", "bucket_passthrough", "estimate", "no_data_reads"]
 
 # torch/nn/parallel/distributed.py: DistributedDataParallel(bucket_cap_mb=None)
 # means 25 MiB; gradient_as_bucket_view defaults to False.
