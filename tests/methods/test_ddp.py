@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +14,7 @@ from llmem_plugin.methods.ddp import ring_allreduce_bytes
 from llmem_plugin.workload import Workload
 
 from ..conftest import tiny_config
+from ._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")
@@ -98,21 +95,8 @@ _WORKER = textwrap.dedent("""
 
 
 def test_fake_trace_equals_a_real_two_process_gloo_run(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "REPO": repo, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    real = json.loads(outs[0][0].strip().splitlines()[-1])
+    outs = run_gloo(tmp_path, _WORKER, world=2, timeout=240)
+    real = json.loads(outs[0].strip().splitlines()[-1])
     fake = estimate_method("ddp", tiny_config("llama"), WL, layout=Layout(num_gpus=2), gpu=H100).ranks[0]
     assert fake.peak_tensor_bytes == real["peak"]
     assert fake.breakdown == real["breakdown"]

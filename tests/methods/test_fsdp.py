@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -36,6 +32,7 @@ from llmem_plugin.tracker import Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..conftest import tiny_config
+from ._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=1, precision="bf16-mixed")
@@ -316,22 +313,9 @@ def test_fake_trace_equals_a_real_two_process_gloo_run(tmp_path):
     # An odd vocabulary makes the embedding and head shards uneven: rank 1
     # holds a padding row.
     vocab = 509
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "REPO": repo, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "VOCAB": str(vocab), "WORKLOADS": json.dumps(list(REAL_RUNS.values()))}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    for rank, (stdout, _) in enumerate(outs):
+    outs = run_gloo(tmp_path, _WORKER, world=2, timeout=240,
+                    env={"VOCAB": str(vocab), "WORKLOADS": json.dumps(list(REAL_RUNS.values()))})
+    for rank, stdout in enumerate(outs):
         lines = stdout.strip().splitlines()[-len(REAL_RUNS):]
         for (name, fields), line in zip(REAL_RUNS.items(), lines, strict=True):
             real = json.loads(line)

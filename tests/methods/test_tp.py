@@ -26,10 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -44,6 +40,7 @@ from llmem_plugin.tracker import Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..conftest import tiny_config
+from ._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")
@@ -415,24 +412,9 @@ _WORKER = textwrap.dedent("""
 
 
 def _real_runs(tmp_path, *, world: int, cases: dict) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "REPO": repo, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "CASES": json.dumps(cases)}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(err[-2000:] for _, err in outs)
-    runs = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    outs = run_gloo(tmp_path, _WORKER, world=world, env={"CASES": json.dumps(cases)})
+    runs = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     return {r["rank"]: r["cases"] for r in runs}
-
 
 def _real_runs_matching(tmp_path, *, world: int, cases: dict, expected: dict) -> dict[int, dict]:
     """Real runs, repeated (at most 3 times) until every rank equals ``expected``

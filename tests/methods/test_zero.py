@@ -32,10 +32,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from collections import defaultdict
 
@@ -52,6 +48,7 @@ from llmem_plugin.tracker import round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..conftest import tiny_config
+from ._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=16, micro_batch_size=1, precision="bf16-mixed")
@@ -410,25 +407,12 @@ REAL_CONFIG = {"reduce_bucket_size": 10000, "stage3_param_persistence_threshold"
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_plan_and_trace_match_a_real_two_process_deepspeed_run(tmp_path, stage):
     vocab = 509  # uneven: padding in the flat groups and in the ZeRO-3 partitions
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
           "zero_optimization": {"stage": stage, **REAL_CONFIG}}
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "REPO": repo, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "STAGE": str(stage),
-               "VOCAB": str(vocab), "DS": json.dumps(ds)}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
     # The first DeepSpeed run on a machine JIT-builds its CPU comm op (about a minute).
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
-    for rank, (stdout, _) in enumerate(outs):
+    outs = run_gloo(tmp_path, _WORKER, world=2, timeout=600,
+                    env={"STAGE": str(stage), "VOCAB": str(vocab), "DS": json.dumps(ds)})
+    for rank, stdout in enumerate(outs):
         real = json.loads(stdout.strip().splitlines()[-1])
         trace, _, plan = _trace(stage, rank=rank, model=tiny_config("llama", vocab_size=vocab), config=REAL_CONFIG)
         if stage < 3:

@@ -1,0 +1,35 @@
+"""Launch a real multi-process gloo run on this CPU: one Python process per
+rank, with the environment torchrun would set, and collect each rank's stdout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_gloo(tmp_path, worker_source: str, *, world: int, env: dict[str, str] | None = None,
+             timeout: int = 300) -> list[str]:
+    """Run ``worker_source`` as ``world`` ranks; return their stdouts in rank order.
+
+    The worker finds the repository in ``$REPO``. Fails the test with the
+    ranks' stderr tails if any rank exits non-zero.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(worker_source)
+    procs = []
+    for rank in range(world):
+        rank_env = {**os.environ, "REPO": REPO, "RANK": str(rank), "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1", **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(err[-2000:] for _, err in outs)
+    return [out for out, _ in outs]
