@@ -7,11 +7,15 @@ choices where there are some, and a hint to fix it. The CLI maps
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
-    "LLMemError",
     "ConfigError",
-    "UnsupportedError",
+    "LLMemError",
     "TraceError",
+    "UnsupportedError",
+    "tracing",
 ]
 
 
@@ -29,3 +33,21 @@ class UnsupportedError(LLMemError):
 
 class TraceError(LLMemError):
     """The model's training step could not be traced under fake tensors."""
+
+
+@contextlib.contextmanager
+def tracing(what: str) -> Iterator[None]:
+    """Turn a failure of the model's own code under fake tensors into one
+    :class:`TraceError` line naming ``what`` was traced; our own errors,
+    missing packages and internal assertions pass through unchanged."""
+    try:
+        yield
+    except (LLMemError, ImportError, AssertionError):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise TraceError(
+            f"{what} could not be traced under fake tensors: {type(e).__name__}: {first}. HINT: CUDA-only custom "
+            "ops and data-dependent shapes cannot be traced; use the model's eager/sdpa attention and a "
+            "pure-PyTorch implementation"
+        ) from e

@@ -10,7 +10,7 @@ from torch import nn
 
 from llmem_plugin import modelbuild
 from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, replay
-from llmem_plugin.errors import ConfigError, LLMemError, TraceError
+from llmem_plugin.errors import ConfigError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.overheads import DeviceOverheads, device_overheads, workspace_allocations
 from llmem_plugin.step import trace_step
@@ -163,20 +163,11 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None) -> Trac
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = vocab_size_of(model)
     modelbuild.fakeify(model, fake_mode)
-    try:
+    with tracing(f"the training step of {type(model).__name__}"):
         return trace_step(
             model, workload, vocab_size=vocab, fake_mode=fake_mode,
             compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
         )
-    except (LLMemError, ImportError, AssertionError):
-        raise
-    except Exception as e:  # the model's own code failed under fake tensors
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise TraceError(
-            f"the training step of {type(model).__name__} could not be traced under fake tensors: "
-            f"{type(e).__name__}: {first}. HINT: CUDA-only custom ops and data-dependent shapes cannot be "
-            "traced; use the model's eager/sdpa attention and a pure-PyTorch implementation"
-        ) from e
 
 
 def _describe(source: Any) -> str:

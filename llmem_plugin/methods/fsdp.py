@@ -35,7 +35,7 @@ from torch import nn
 
 from llmem_plugin import modelbuild
 from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError
+from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods._fakepg import (
     fake_process_group,
@@ -464,19 +464,11 @@ def _trace_rank(
                     cpu_offload=cpu_offload)
         fake_mode = FakeTensorMode()
         _materialize(model, fake_mode)
-        try:
+        with tracing(f"the FSDP2 training step of {type(model).__name__}"):
             trace, host_bytes = _trace_fsdp_step(
                 model, workload, vocab_size=vocab, fake_mode=fake_mode,
                 compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, cpu_offload=cpu_offload,
             )
-        except (LLMemError, ImportError, AssertionError):
-            raise
-        except Exception as e:  # the model's own code failed under fake tensors
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise TraceError(
-                f"the FSDP2 training step of {type(model).__name__} could not be traced under fake tensors: "
-                f"{type(e).__name__}: {first}. HINT: CUDA-only custom ops and data-dependent shapes cannot be traced"
-            ) from e
         groups, padding = _fsdp_groups(model)
     return _RankTrace(trace=trace, host_bytes=host_bytes, padding_bytes=padding, groups=groups)
 
