@@ -21,7 +21,7 @@ from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, autocast_region, 
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Workload
 
-__all__ = ["NUM_ITERATIONS", "host_resident_state", "make_optimizer", "state_tensors", "trace_step"]
+__all__ = ["NUM_ITERATIONS", "StepHooks", "host_resident_state", "make_optimizer", "state_tensors", "trace_step"]
 
 NUM_ITERATIONS = 2
 
@@ -72,6 +72,32 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
+class StepHooks:
+    """Where an engine joins the traced step: the points at which a wrapper
+    that cannot run under fake tensors (DeepSpeed, ColossalAI) allocates its
+    own buffers, or where a traced one needs a switch flipped. The defaults
+    are the plain loop's."""
+
+    def register_parameters(self, tracker: MemoryTracker, params: list[torch.Tensor]) -> None:
+        """Record the parameters at the start (an engine whose own buffers
+        stand for them registers them as host memory instead)."""
+        tracker.register(params, MemoryCategory.PARAMETER)
+
+    def setup(self) -> None:
+        """After registration, before the first micro-batch."""
+
+    def begin_micro(self, iteration: int, micro: int) -> None:
+        """After the micro-batch's inputs exist, before its forward."""
+
+    def end_backward(self, iteration: int, micro: int) -> None:
+        """After the micro-batch's backward and gradient labelling."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+        """The optimizer step; returns the optimizer whose states to label."""
+        optimizer.step()
+        return optimizer
+
+
 def trace_step(
     model: nn.Module,
     workload: Workload,
@@ -84,9 +110,8 @@ def trace_step(
     tracker: MemoryTracker | None = None,
     contexts: Sequence[contextlib.AbstractContextManager] = (),
     autocast: bool = True,
-    on_micro_batch: Callable[[int, int], None] | None = None,
     offload: bool = False,
-    on_step: Callable[[torch.optim.Optimizer], None] | None = None,
+    hooks: StepHooks | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -109,13 +134,10 @@ def trace_step(
             an engine's instrumentation).
         autocast: Run forward and loss under the workload's autocast; off
             when an engine casts parameters itself (FSDP2's mixed precision).
-        on_micro_batch: Called as ``(iteration, micro_batch)`` before each
-            micro-batch.
         offload: Model states live on the host (CPU offload): parameters,
             gradients and optimizer states count as host memory and the
             optimizer step, which runs on the host, is not traced.
-        on_step: Called with the optimizer after each ``step()``, before
-            ``zero_grad``.
+        hooks: An engine's :class:`StepHooks` (the plain loop's if None).
 
     Returns:
         The replayed trace.
@@ -129,25 +151,29 @@ def trace_step(
     optimizer = make_optimizer(trainable, workload.optimizer)
     autocast_dtype = workload.precision.autocast_dtype if autocast else None
     held = MemoryCategory.HOST if offload else None
+    hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
         for ctx in contexts:
             stack.enter_context(ctx)
-        tracker.register(params, held or MemoryCategory.PARAMETER)
+        if offload:
+            tracker.register(params, MemoryCategory.HOST)
+        else:
+            hooks.register_parameters(tracker, params)
         tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
         if wrap is not None:
             start = tracker.num_records
             model = wrap(model)
             tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
         with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms):
+            hooks.setup()
             for it in range(NUM_ITERATIONS):
                 for mb in range(workload.grad_accum_steps):
-                    if on_micro_batch is not None:
-                        on_micro_batch(it, mb)
                     tracker.set_phase(Phase.SETUP)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
                     labels = input_ids.clone()
                     tracker.register([input_ids, labels], MemoryCategory.INPUT)
+                    hooks.begin_micro(it, mb)
                     tracker.set_phase(Phase.FORWARD)
                     start = tracker.num_records
                     # As HF Trainer's compute_loss: forward and loss inside
@@ -163,13 +189,13 @@ def trace_step(
                     loss.backward()
                     del loss, input_ids, labels
                     tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)
+                    hooks.end_backward(it, mb)
                 tracker.set_phase(Phase.OPTIMIZER)
                 with _pause.untracked() if offload else contextlib.nullcontext():
-                    optimizer.step()
-                tracker.label(state_tensors(optimizer), held or MemoryCategory.OPTIMIZER_STATE)
-                tracker.label(host_resident_state(optimizer), MemoryCategory.HOST)
-                if on_step is not None:
-                    on_step(optimizer)
+                    stepped = hooks.step(optimizer)
+                if stepped is not None:
+                    tracker.label(state_tensors(stepped), held or MemoryCategory.OPTIMIZER_STATE)
+                    tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
                 optimizer.zero_grad(set_to_none=True)
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

@@ -91,7 +91,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = [
@@ -371,9 +371,8 @@ def _trace_rank(model: nn.Module, workload: Workload, *, make_emulator: Any, dty
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llmem_plugin import modelbuild
-    from llmem_plugin.emulation import cuda_emulation
     from llmem_plugin.methods._zero_buffers import Buffers
-    from llmem_plugin.step import NUM_ITERATIONS, host_resident_state, state_tensors
+    from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -384,43 +383,35 @@ def _trace_rank(model: nn.Module, workload: Workload, *, make_emulator: Any, dty
     trace_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     buf = Buffers(tracker, SimpleNamespace(dtype=trace_dtype, es=trace_dtype.itemsize), capacity=capacity)
     emu = make_emulator(buf, model, params)
-    b, s, ga = workload.micro_batch_size, workload.seq_len, workload.grad_accum_steps
-    try:
-        with fake_mode, tracker:
-            tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+
+    class Hooks(StepHooks):
+        def register_parameters(self, tracker: MemoryTracker, _params: list[torch.Tensor]) -> None:
             # The model's own parameters stand for views into the plugin's
             # buffers (modelled below): HOST, never counted.
             tracker.register(params, MemoryCategory.HOST)
-            with cuda_emulation(autocast_dtype=None, compute_capability=gpu.compute_capability, num_sms=gpu.num_sms):
-                emu.setup()
-                for it in range(NUM_ITERATIONS):
-                    buf.counting = it == NUM_ITERATIONS - 1
-                    for micro in range(ga):
-                        tracker.set_phase(Phase.SETUP)
-                        input_ids = torch.randint(0, vocab, (b, s))
-                        labels = input_ids.clone()
-                        tracker.register([input_ids, labels], MemoryCategory.INPUT)
-                        emu.begin_micro(micro)
-                        tracker.set_phase(Phase.FORWARD)
-                        start = tracker.num_records
-                        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / ga
-                        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
-                        tracker.set_phase(Phase.BACKWARD)
-                        loss.backward()
-                        del loss, input_ids, labels
-                        tracker.label([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENT)
-                        emu.end_backward()
-                    tracker.set_phase(Phase.OPTIMIZER)
-                    emu.step()
-                    opt = getattr(emu, "optimizer", None)
-                    if opt is not None:
-                        tracker.label(state_tensors(opt), MemoryCategory.OPTIMIZER_STATE)
-                        tracker.label(host_resident_state(opt), MemoryCategory.HOST)
-            tracker.set_phase(Phase.SETUP)
+
+        def setup(self) -> None:
+            emu.setup()
+
+        def begin_micro(self, iteration: int, micro: int) -> None:
+            buf.counting = iteration == NUM_ITERATIONS - 1
+            emu.begin_micro(micro)
+
+        def end_backward(self, iteration: int, micro: int) -> None:
+            emu.end_backward()
+
+        def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+            emu.step()
+            return getattr(emu, "optimizer", None)
+
+    try:
+        trace = trace_step(model, workload, vocab_size=vocab, fake_mode=fake_mode, tracker=tracker,
+                           compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, autocast=False,
+                           hooks=Hooks())
     finally:
         for h in emu.hooks:
             h.remove()
-    return tracker.result(), buf, emu
+    return trace, buf, emu
 
 
 # --------------------------------------------------------------- interface

@@ -45,7 +45,7 @@ from llmem_plugin.methods._rank_tracker import RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import device_overheads
-from llmem_plugin.step import state_tensors, trace_step
+from llmem_plugin.step import StepHooks, state_tensors, trace_step
 from llmem_plugin.tracker import MemoryCategory, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
@@ -370,13 +370,16 @@ def _trace_fsdp_step(
     trainable = [p for p in params if p.requires_grad]
     host = [0]
 
-    def on_step(optimizer: torch.optim.Optimizer) -> None:
-        if cpu_offload:
-            host[0] = _host_bytes(params, trainable, state_tensors(optimizer))
+    class Hooks(StepHooks):
+        def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            optimizer.step()
+            if cpu_offload:
+                host[0] = _host_bytes(params, trainable, state_tensors(optimizer))
+            return optimizer
 
     trace = trace_step(
         model, workload, vocab_size=vocab_size, fake_mode=fake_mode, compute_capability=compute_capability,
-        num_sms=num_sms, tracker=tracker, autocast=False, offload=cpu_offload, on_step=on_step,
+        num_sms=num_sms, tracker=tracker, autocast=False, offload=cpu_offload, hooks=Hooks(),
         contexts=[isolated_sharding_propagation(), fsdp_instrumented(tracker, cpu_offload=cpu_offload)],
     )
     return trace, host[0]

@@ -95,7 +95,7 @@ from llmem_plugin.methods._rank_tracker import Collective, RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import device_overheads
-from llmem_plugin.step import NUM_ITERATIONS, trace_step
+from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
 from llmem_plugin.tracker import TraceResult
 from llmem_plugin.workload import Workload
 
@@ -316,10 +316,11 @@ def _trace_rank(
     tracker = RankTracker(fake_mode)
     num_micro = workload.grad_accum_steps
 
-    def on_micro_batch(iteration: int, micro: int) -> None:
-        tracker.record_collectives = iteration == NUM_ITERATIONS - 1
-        if grad_sync:
-            model.set_requires_gradient_sync(micro == num_micro - 1)
+    class Hooks(StepHooks):
+        def begin_micro(self, iteration: int, micro: int) -> None:
+            tracker.record_collectives = iteration == NUM_ITERATIONS - 1
+            if grad_sync:
+                model.set_requires_gradient_sync(micro == num_micro - 1)
 
     contexts = [isolated_sharding_propagation(), _no_view_warnings()]
     if grad_sync:  # FSDP2 frees and re-allocates by resizing storages; see fsdp.fsdp_instrumented
@@ -328,7 +329,7 @@ def _trace_rank(
         contexts.append(fsdp_instrumented(tracker, cpu_offload=False))
     trace = trace_step(model, workload, vocab_size=vocab_size, fake_mode=fake_mode,
                        compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker,
-                       contexts=contexts, on_micro_batch=on_micro_batch)
+                       contexts=contexts, hooks=Hooks())
     return trace, tracker.collectives
 
 

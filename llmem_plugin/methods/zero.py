@@ -87,7 +87,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 if TYPE_CHECKING:
@@ -425,9 +425,8 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llmem_plugin import modelbuild
-    from llmem_plugin.emulation import cuda_emulation
     from llmem_plugin.methods._zero_buffers import Buffers, Zero3, Zero12
-    from llmem_plugin.step import NUM_ITERATIONS
+    from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -437,48 +436,37 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     tracker.watch_modules(model)
     buf = Buffers(tracker, plan, capacity=capacity)
     emu = (Zero3 if plan.stage == 3 else Zero12)(buf, model)
-    b, s, ga = workload.micro_batch_size, workload.seq_len, workload.grad_accum_steps
-    try:
-        with fake_mode, tracker:
-            tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+    ga = workload.grad_accum_steps
+
+    class Hooks(StepHooks):
+        def register_parameters(self, tracker: MemoryTracker, params: list[torch.Tensor]) -> None:
             # The model's own parameter tensors stand for DeepSpeed's views into
             # the buffers modelled below; registered as HOST they are never
             # counted (nor "found" later as outputs of view ops).
             tracker.register(plan.params, MemoryCategory.HOST)
-            with cuda_emulation(autocast_dtype=None, compute_capability=gpu.compute_capability, num_sms=gpu.num_sms):
-                emu.setup()
-                for it in range(NUM_ITERATIONS):
-                    buf.counting = it == NUM_ITERATIONS - 1  # steady state: the trace is complete
-                    for micro in range(ga):
-                        tracker.set_phase(Phase.SETUP)
-                        input_ids = torch.randint(0, vocab, (b, s))
-                        labels = input_ids.clone()
-                        tracker.register([input_ids, labels], MemoryCategory.INPUT)
-                        emu.begin_micro(micro == ga - 1)
-                        tracker.set_phase(Phase.FORWARD)
-                        start = tracker.num_records
-                        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / ga
-                        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
-                        tracker.set_phase(Phase.BACKWARD)
-                        loss.backward()
-                        del loss, input_ids, labels
-                        tracker.label([p.grad for p in plan.trainable if p.grad is not None], MemoryCategory.GRADIENT)
-                        emu.end_backward(micro == ga - 1)
-                    tracker.set_phase(Phase.OPTIMIZER)
-                    emu.step()
-                    opt = getattr(emu, "optimizer", None)
-                    if opt is not None:
-                        states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-                        tracker.label(states, MemoryCategory.OPTIMIZER_STATE)
-                        # step.py _host_resident_state: AdamW keeps `step` on the host unless fused.
-                        tracker.label([st["step"] for g in opt.param_groups if not g.get("fused")
-                                       for p in g["params"] if isinstance((st := opt.state.get(p, {})).get("step"),
-                                                                          torch.Tensor)], MemoryCategory.HOST)
-            tracker.set_phase(Phase.SETUP)
+
+        def setup(self) -> None:
+            emu.setup()
+
+        def begin_micro(self, iteration: int, micro: int) -> None:
+            buf.counting = iteration == NUM_ITERATIONS - 1  # steady state: the trace is complete
+            emu.begin_micro(micro == ga - 1)
+
+        def end_backward(self, iteration: int, micro: int) -> None:
+            emu.end_backward(micro == ga - 1)
+
+        def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+            emu.step()
+            return getattr(emu, "optimizer", None)
+
+    try:
+        trace = trace_step(model, workload, vocab_size=vocab, fake_mode=fake_mode, tracker=tracker,
+                           compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, autocast=False,
+                           hooks=Hooks())
     finally:
         for h in emu.hooks:
             h.remove()
-    return tracker.result(), buf, plan
+    return trace, buf, plan
 
 
 def split_comm(sent: int, layout: Layout) -> tuple[int, int]:
