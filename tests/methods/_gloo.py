@@ -11,6 +11,21 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# Ranks meet at a barrier, then leave with os._exit: a normal interpreter exit
+# runs C++ static destructors, and a still-joinable std::thread among them (gloo's
+# or DeepSpeed's) aborts the process with "terminate called without an active
+# exception" after the worker's result was already printed.
+_EPILOGUE = """
+import os as _os, sys as _sys
+import torch.distributed as _dist
+_sys.stdout.flush()
+_sys.stderr.flush()
+if _dist.is_initialized():
+    _dist.barrier()
+_os._exit(0)
+"""
+
+
 def run_gloo(tmp_path, worker_source: str, *, world: int, env: dict[str, str] | None = None,
              timeout: int = 300) -> list[str]:
     """Run ``worker_source`` as ``world`` ranks; return their stdouts in rank order.
@@ -22,7 +37,7 @@ def run_gloo(tmp_path, worker_source: str, *, world: int, env: dict[str, str] | 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = tmp_path / "worker.py"
-    script.write_text(worker_source)
+    script.write_text(worker_source + _EPILOGUE)
     procs = []
     for rank in range(world):
         rank_env = {**os.environ, "REPO": REPO, "RANK": str(rank), "WORLD_SIZE": str(world),
