@@ -150,6 +150,9 @@ class AllocatorResult:
         phase_allocated_bytes: Peak allocated within each labelled phase
             (when :func:`replay` was given labels).
         phase_reserved_bytes: Reserved peak up to the end of each labelled phase.
+        timeline: ``(event index, label, allocated bytes, reserved bytes)``
+            after each event, thinned (when :func:`replay` was asked for
+            ``timeline_points``); empty otherwise.
     """
 
     peak_allocated_bytes: int
@@ -163,6 +166,7 @@ class AllocatorResult:
     oom_event: int = -1
     phase_allocated_bytes: dict[str, int] = field(default_factory=dict)
     phase_reserved_bytes: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[int, str, int, int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -558,7 +562,12 @@ class CachingAllocator:
 
     # ------------------------------------------------------------ results
     def result(
-        self, *, oom_event: int = -1, phase_allocated: dict | None = None, phase_reserved: dict | None = None
+        self,
+        *,
+        oom_event: int = -1,
+        phase_allocated: dict | None = None,
+        phase_reserved: dict | None = None,
+        timeline: list[tuple[int, str, int, int]] | None = None,
     ) -> AllocatorResult:
         st = self.stats
         frag = 1.0 - st.allocated_at_peak_reserved / st.peak_reserved if st.peak_reserved else 0.0
@@ -574,6 +583,7 @@ class CachingAllocator:
             oom_event=oom_event,
             phase_allocated_bytes=dict(phase_allocated or {}),
             phase_reserved_bytes=dict(phase_reserved or {}),
+            timeline=list(timeline or []),
         )
 
 
@@ -598,6 +608,7 @@ def replay(
     memory_fraction: float | None = None,
     device_memory_bytes: int | None = None,
     labels: Sequence[str] | None = None,
+    timeline_points: int = 0,
 ) -> AllocatorResult:
     """Run an ordered alloc/free stream through the simulated allocator.
 
@@ -611,6 +622,9 @@ def replay(
         device_memory_bytes: See :class:`CachingAllocator`.
         labels: A label per event (e.g. the training phase); the result then
             holds per-label peaks.
+        timeline_points: When > 0, the result's ``timeline`` holds the
+            allocated and reserved bytes after each event, thinned to about
+            this many points (see :func:`_thin_timeline`).
 
     Returns:
         The peaks; ``oom`` is set (and the replay stops) at the first request
@@ -624,21 +638,53 @@ def replay(
     st = alloc.stats
     ph_alloc: dict[str, int] = {}
     ph_res: dict[str, int] = {}
+    points: list[tuple[int, str, int, int]] = []
+    oom_event = -1
     for i, (sign, key, nbytes) in enumerate(events):
+        lab = labels[i] if labels is not None else ""
         if sign > 0:
-            if nbytes <= 0:
-                continue  # zero-byte tensors get a null pointer, no block
+            if nbytes <= 0:  # zero-byte tensors get a null pointer, no block
+                if timeline_points > 0:
+                    points.append((i, lab, st.allocated, st.reserved))
+                continue
             try:
                 handles[key] = alloc.malloc(nbytes)
             except SimulatedOOM:
-                return alloc.result(oom_event=i, phase_allocated=ph_alloc, phase_reserved=ph_res)
+                oom_event = i
+                break
         else:
             h = handles.pop(key, None)
             if h is not None:
                 alloc.free(h)
         if labels is not None:
-            lab = labels[i]
             if st.allocated > ph_alloc.get(lab, -1):
                 ph_alloc[lab] = st.allocated
             ph_res[lab] = st.peak_reserved
-    return alloc.result(phase_allocated=ph_alloc, phase_reserved=ph_res)
+        if timeline_points > 0:
+            points.append((i, lab, st.allocated, st.reserved))
+    timeline = _thin_timeline(points, timeline_points) if timeline_points > 0 else []
+    return alloc.result(oom_event=oom_event, phase_allocated=ph_alloc, phase_reserved=ph_res, timeline=timeline)
+
+
+def _thin_timeline(points: list[tuple[int, str, int, int]], n: int) -> list[tuple[int, str, int, int]]:
+    """About ``n`` of ``points``, in order: the lowest and highest allocated
+    point of each of ``n / 2`` equal runs of events (so a plot keeps every
+    spike and dip), the first point of each label run (so phase boundaries
+    are exact), the first and last points, and the first points where
+    allocated and reserved reach their maxima."""
+    if len(points) <= n:
+        return list(points)
+    keep = {0, len(points) - 1}
+    keep.add(max(range(len(points)), key=lambda j: points[j][2]))
+    keep.add(max(range(len(points)), key=lambda j: points[j][3]))
+    starts = [j for j in range(1, len(points)) if points[j][1] != points[j - 1][1]]
+    if len(starts) <= n:  # labels are phases: a handful of runs
+        keep.update(starts)
+    buckets = max(n // 2, 1)
+    for b in range(buckets):
+        lo, hi = b * len(points) // buckets, (b + 1) * len(points) // buckets
+        if lo < hi:
+            run = range(lo, hi)
+            keep.add(min(run, key=lambda j: points[j][2]))
+            keep.add(max(run, key=lambda j: points[j][2]))
+    return [points[j] for j in sorted(keep)]

@@ -69,6 +69,13 @@ class Estimate:
         phase_peaks: Peak tensor bytes of each phase.
         timeline: (event index, phase, bytes), thinned to a few hundred points
             (empty in fast mode, which traces a shortened model).
+        memory_timeline: (event index, phase, allocated bytes, reserved
+            bytes) of the simulated allocator after each event of the replay
+            that gave ``peak_allocated_bytes`` and ``peak_reserved_bytes``,
+            thinned to a few hundred points that keep both peaks. The events
+            are the trace's with the cuBLAS workspaces inserted
+            (:func:`allocator_events`), so an index can be a few past the
+            same event's index in ``timeline``. Empty in fast mode.
         fast: Whether the layer-extrapolating fast mode produced this.
         seconds: Wall time the estimate took.
     """
@@ -95,6 +102,7 @@ class Estimate:
     timeline: list[tuple[int, Phase, int]] = field(repr=False)
     fast: bool
     seconds: float
+    memory_timeline: list[tuple[int, str, int, int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +128,7 @@ class Estimate:
             "timeline": [[i, p.value, v] for i, p, v in self.timeline],
             "fast": self.fast,
             "seconds": round(self.seconds, 4),
+            "memory_timeline": [list(point) for point in self.memory_timeline],
         }
 
 
@@ -222,17 +231,38 @@ def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | None) -> GPU:
 
 
 def simulate_trace(
-    trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, capacity: int | None
+    trace: TraceResult,
+    config: AllocatorConfig,
+    overheads: DeviceOverheads,
+    capacity: int | None,
+    *,
+    timeline_points: int = 0,
 ) -> tuple[AllocatorResult, bool]:
     """Replay without a cap; when the result exceeds the GPU, replay again
-    under it, where the allocator frees its cache and retries before OOM."""
+    under it, where the allocator frees its cache and retries before OOM.
+
+    Args:
+        trace: The traced step.
+        config: The allocator settings simulated.
+        overheads: Device overheads (cuBLAS workspaces, CUDA context).
+        capacity: Device bytes available; None = unlimited.
+        timeline_points: Passed to both replays (see :func:`replay`): the
+            returned result carries the thinned timeline of its own replay.
+
+    Returns:
+        The result reported (the capped replay's when it ran and fit) and
+        whether the step fits.
+    """
     events, phases = allocator_events(trace, overheads)
-    free = replay(events, config, labels=phases)
+    free = replay(events, config, labels=phases, timeline_points=timeline_points)
     if capacity is None:
         return free, True
     if free.peak_reserved_bytes + overheads.outside_allocator_bytes <= capacity:
         return free, True
-    capped = replay(events, config, capacity_bytes=max(capacity - overheads.outside_allocator_bytes, 0))
+    capped = replay(
+        events, config, capacity_bytes=max(capacity - overheads.outside_allocator_bytes, 0),
+        labels=phases, timeline_points=timeline_points,
+    )
     if capped.oom:
         return free, False
     return capped, True
@@ -323,6 +353,7 @@ def estimate(
         return _trace(m, w, target)
 
     timeline: list[tuple[int, Phase, int]] = []
+    memory_timeline: list[tuple[int, str, int, int]] = []
     if fast and not isinstance(model, nn.Module):
         from llmem_plugin.fast import extrapolated_trace
 
@@ -339,8 +370,9 @@ def estimate(
     if not fast:
         fast = False
         result = trace(full, wl)
-        sim, fits = simulate_trace(result, config, overheads, capacity)
+        sim, fits = simulate_trace(result, config, overheads, capacity, timeline_points=_TIMELINE_POINTS)
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
+        memory_timeline = sim.timeline
     return Estimate(
         model=_describe(model),
         workload=wl,
@@ -364,6 +396,7 @@ def estimate(
         timeline=timeline,
         fast=fast,
         seconds=time.perf_counter() - t0,
+        memory_timeline=memory_timeline,
     )
 
 

@@ -10,6 +10,7 @@ expandable segments (map_block in 20 MiB pages).
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -280,3 +281,66 @@ def test_large_segment_size_option():
     g = CachingAllocator(AllocatorConfig.from_env("large_segment_size_mb:32,expandable_segments:True"))
     g.malloc(33 * MiB)  # expandable large pages are that size too
     assert g.stats.reserved == 64 * MiB
+
+
+def test_timeline_follows_the_allocator_rules():
+    events = [
+        (1, 0, 1 * MiB),  # <= kSmallSize: a 2 MiB small segment
+        (1, 1, 5 * MiB),  # < kMinLargeAlloc: a 20 MiB segment, 15 MiB of it left free
+        (1, 2, 16 * MiB),  # more than the free 15 MiB: its own 16 MiB segment
+        (-1, 1, 5 * MiB),  # cached and merged with the free 15 MiB; reserved stays
+        (1, 3, 0),  # zero bytes: no block
+        (-1, 2, 16 * MiB),
+        (1, 4, 15 * MiB),  # best fit is the cached 16 MiB block; its 1 MiB rest is not split off
+        (-1, 0, 1 * MiB),
+    ]
+    labels = ["forward"] * 3 + ["backward"] * 4 + ["optimizer"]
+    expected = [  # (allocated, reserved) in MiB after each event
+        (1, 2), (6, 22), (22, 38), (17, 38), (17, 38), (1, 38), (17, 38), (16, 38),
+    ]
+    res = replay(events, labels=labels, timeline_points=100)
+    assert [(i, lab) for i, lab, _, _ in res.timeline] == list(enumerate(labels))
+    assert [(a // MiB, r // MiB) for _, _, a, r in res.timeline] == expected
+    assert all(a % MiB == 0 and r % MiB == 0 for _, _, a, r in res.timeline)
+    assert max(a for _, _, a, _ in res.timeline) == res.peak_allocated_bytes == 22 * MiB
+    assert max(r for _, _, _, r in res.timeline) == res.peak_reserved_bytes == 38 * MiB
+    assert replay(events, labels=labels).timeline == []  # off by default
+    # Without labels the label is "", and the replay's other results do not change.
+    plain = replay(events, timeline_points=100)
+    assert {lab for _, lab, _, _ in plain.timeline} == {""}
+    assert plain.peak_allocated_bytes == res.peak_allocated_bytes
+    assert replay(events, labels=labels).phase_allocated_bytes == res.phase_allocated_bytes
+
+
+def test_timeline_under_a_cap_shows_the_release_and_stops_at_oom():
+    # 12 + 14 > 24: release_cached_blocks frees the cached 12 MiB segment, then the retry fits.
+    res = replay([(1, 0, 12 * MiB), (-1, 0, 12 * MiB), (1, 1, 14 * MiB)], capacity_bytes=24 * MiB,
+                 timeline_points=10)
+    assert [(a // MiB, r // MiB) for _, _, a, r in res.timeline] == [(12, 12), (0, 12), (14, 14)]
+    oom = replay([(1, 0, 12 * MiB), (1, 1, 14 * MiB)], capacity_bytes=24 * MiB, timeline_points=10)
+    assert oom.oom and [i for i, *_ in oom.timeline] == [0]  # the failing event has no point
+
+
+def test_thinned_timeline_keeps_both_peaks_and_the_phase_starts():
+    rng = random.Random(0)
+    events, labels, live = [], [], []
+    for i in range(3000):
+        if live and rng.random() < 0.45:
+            key, n = live.pop(rng.randrange(len(live)))
+            events.append((-1, key, n))
+        else:
+            n = rng.choice([512, 300 * KiB, 3 * MiB, rng.randrange(1, 64 * MiB)])
+            events.append((1, i, n))
+            live.append((i, n))
+        labels.append(("forward", "backward", "optimizer")[i * 3 // 3000])
+    full = replay(events, labels=labels, timeline_points=len(events))
+    thin = replay(events, labels=labels, timeline_points=64)
+    assert len(full.timeline) == len(events)
+    assert len(thin.timeline) <= 64 + 6
+    by_index = {p[0]: p for p in full.timeline}
+    assert all(by_index[p[0]] == p for p in thin.timeline)  # a subset, not a resampling
+    assert [p[0] for p in thin.timeline] == sorted({p[0] for p in thin.timeline})
+    assert max(p[2] for p in thin.timeline) == thin.peak_allocated_bytes == full.peak_allocated_bytes
+    assert max(p[3] for p in thin.timeline) == thin.peak_reserved_bytes == full.peak_reserved_bytes
+    kept = {p[0] for p in thin.timeline}
+    assert {0, 1000, 2000, 2999} <= kept  # first, each phase's first event, last
