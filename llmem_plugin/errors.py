@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "ConfigError",
     "LLMemError",
     "TraceError",
     "UnsupportedError",
+    "WontFitError",
     "tracing",
 ]
 
@@ -33,6 +35,17 @@ class UnsupportedError(LLMemError):
 
 class TraceError(LLMemError):
     """The model's training step could not be traced under fake tensors."""
+
+
+class WontFitError(LLMemError):
+    """No configuration of the job fits the GPUs. ``plan`` carries the full
+    report: every candidate with its per-GPU memory, the closest ones, and
+    the changes that were confirmed to make it fit (``plan.suggestions``).
+    The CLI exits with code 3 on it."""
+
+    def __init__(self, message: str, *, plan: Any = None) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ from torch.nn.attention import SDPBackend
 from llmem_plugin._pause import untracked
 from llmem_plugin.errors import ConfigError, UnsupportedError
 
-__all__ = ["CudaSdpaTarget", "select_backend", "emulated_sdpa", "patch_sdpa"]
+__all__ = ["CudaSdpaTarget", "emulated_sdpa", "observe_attention", "patch_sdpa", "select_backend"]
 
 # Version gates: what the PyPI torch 2.13.0 wheel ships (its Requires-Dist).
 TORCH_2_13_CUDNN_VERSION = 92000  # nvidia-cudnn-cu13==9.20.0.48
@@ -450,6 +450,34 @@ def patch_sdpa(
         functional.scaled_dot_product_attention, _active_target = original, previous
 
 
+# ----------------------------------------------------------------------------- observers
+
+
+# Callbacks told of every fused-kernel call: (pass, query shape, key shape,
+# value shape, is_causal), pass being "forward" or "backward". The step-time
+# model counts attention FLOPs with them (the fused kernels allocate but run
+# no aten matmul that torch.utils.flop_counter could see).
+_observers: list = []
+
+
+def _notify(ctx, which: str, q=None, k=None, v=None, is_causal=False) -> None:
+    if which == "forward":
+        ctx.attention_shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), bool(is_causal))
+    for fn in _observers:
+        fn(which, *ctx.attention_shapes)
+
+
+@contextlib.contextmanager
+def observe_attention(callback) -> Iterator[None]:
+    """Call ``callback(pass, q_shape, k_shape, v_shape, is_causal)`` for every
+    fused attention kernel (forward and backward) run inside the block."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
 # ----------------------------------------------------------------------------- composite helpers [A]
 
 
@@ -604,6 +632,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, is_causal, scale, target):
+        _notify(ctx, "forward", q, k, v, is_causal)
         q_t, k_t = q.transpose(1, 2), k.transpose(1, 2)
         b, s_q, h, d = q_t.shape
         s_k, h_k = k_t.size(1), k_t.size(2)
@@ -643,6 +672,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _notify(ctx, "backward")
         q, k, v, out, lse, rng_state, unused = ctx.saved_tensors
         dropout_p, causal, scale, seed, target = ctx.args
         q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -743,6 +773,7 @@ class _EfficientAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, dropout_p, is_causal, scale, compute_lse, target):
+        _notify(ctx, "forward", q, k, v, is_causal)
         q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         b, m, h, _ = q_t.shape
         if bias is not None and bias.dtype != q.dtype:
@@ -766,6 +797,7 @@ class _EfficientAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _notify(ctx, "backward")
         q, k, v, bias, out, lse = ctx.saved_tensors
         dropout_p, is_causal, scale, seed, target = ctx.args
         q_t, k_t, v_t, out_t = (t.transpose(1, 2) for t in (q, k, v, out))
@@ -845,6 +877,7 @@ class _CudnnAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, dropout_p, is_causal, scale, compute_lse, target):
+        _notify(ctx, "forward", q, k, v, is_causal)
         b, h, s_q, _ = q.shape
         s_k = k.size(2)
         if bias is not None:  # expand to 4-D [U]
@@ -865,6 +898,7 @@ class _CudnnAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _notify(ctx, "backward")
         q, k, v, o, stats, seed_t, offset_t, bias = ctx.saved_tensors
         dropout_p, is_causal, scale, seed = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -57,6 +57,10 @@ class RankMemory:
         breakdown: Tensor bytes per category at the tensor peak (category
             values as keys; methods may add their own, e.g. "buckets").
         host_bytes: Host RAM this rank needs (offloaded states, pinned copies).
+        phase_allocated: Allocator's allocated peak within each training
+            phase (phase values as keys).
+        phase_reserved: Reserved bytes held by the end of each phase.
+        phase_breakdowns: Tensor bytes per category at each phase's peak.
     """
 
     rank: int
@@ -67,9 +71,12 @@ class RankMemory:
     fits: bool
     breakdown: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
+    phase_allocated: dict[str, int] = field(default_factory=dict, repr=False)
+    phase_reserved: dict[str, int] = field(default_factory=dict, repr=False)
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("phase_")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,4 +168,7 @@ def rank_memory(
         fits=fits,
         breakdown=breakdown,
         host_bytes=host_bytes,
+        phase_allocated=dict(sim.phase_allocated_bytes),
+        phase_reserved=dict(sim.phase_reserved_bytes),
+        phase_breakdowns={p.value: {c.value: v for c, v in bd.items()} for p, bd in trace.phase_breakdowns.items()},
     )

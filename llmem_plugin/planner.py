@@ -1,0 +1,904 @@
+"""Pick the fastest fine-tuning method that fits, or refuse with a report.
+
+The space: every method that runs on the cluster (``llmem_plugin.methods``),
+each tensor-parallel degree that divides a node and the model, CPU offload,
+gradient checkpointing on and off, and each micro-batch that divides the
+per-rank share of the global batch (gradient accumulation fills the rest).
+
+The cost of searching it is bounded by traces, not candidates:
+
+1. **Profile** (:func:`_profile`): the single-GPU step, traced in fast mode at
+   micro-batch 1 and 2 with checkpointing off and on. It gives each phase's
+   allocated peak (activations grow linearly with the micro-batch) and the
+   FLOPs of a micro-step (:class:`llmem_plugin.cost.StepFlopCounter`).
+2. **Method base** (:func:`_screen_config`): each (method, TP degree,
+   offload) traced once in fast mode at micro-batch 1 without
+   checkpointing (tensor-parallel ones also at micro-batch 2 and with
+   checkpointing, since TP shards activations and repeats collectives when
+   recomputing). The model states, buffers and communication are the
+   method's own; the activation difference between this base and any other
+   (micro-batch, checkpointing) is the profile's, phase by phase (forward and
+   backward: activations do not live in the optimizer step).
+3. **Screen**: every candidate's per-GPU device total and step time
+   (:mod:`llmem_plugin.cost`) from those two.
+4. **Verify**: the fastest candidate under the limit is traced in full with
+   its exact micro-batch, accumulation and checkpointing (the estimate
+   ``llmem estimate --method`` gives). If it does not fit, the next is
+   tried. The choice is always a verified one.
+
+Kept candidates: device total at most ``capacity * (1 - margin)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmem_plugin import modelbuild
+from llmem_plugin.cost import (
+    DEFAULT_EFFICIENCY,
+    FlopCount,
+    Network,
+    Overlap,
+    StepTime,
+    StepWork,
+    flops_of_step,
+    step_time,
+)
+from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
+from llmem_plugin.gpus import GPU
+from llmem_plugin.methods import Layout, MethodEstimate, estimate_method
+from llmem_plugin.tracker import MemoryCategory
+from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Workload
+
+__all__ = ["DEFAULT_MARGIN", "Candidate", "Plan", "Suggestion", "plan"]
+
+DEFAULT_MARGIN = 0.05
+# Without --global-batch: this many sequences per GPU per optimizer step.
+DEFAULT_SEQUENCES_PER_GPU = 8
+# Largest node the planner assumes when suggesting more GPUs (DGX/HGX: 8).
+_MAX_GPUS_PER_NODE = 8
+_GIB = 2**30
+
+_FWD, _BWD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class _Traits:
+    """How a method shards, communicates and overlaps (module docstring of
+    :mod:`llmem_plugin.cost` for the overlap sources).
+
+    per_micro_comm: communicates every micro-step (gradient reduce-scatter or
+        parameter gathers in each backward), rather than once per step
+        (DDP under ``no_sync``, DeepSpeed stage 1, which reduces at the
+        accumulation boundary).
+    state_shard: optimizer states split over "none", "dp" (all data-parallel
+        ranks) or "node" (HSDP's shard group).
+    param_shard: parameters split the same way ("host" = offloaded).
+    """
+
+    tp_family: bool
+    per_micro_comm: bool
+    overlap: Overlap
+    state_shard: str
+    param_shard: str
+    offload: str | None = None
+
+
+_TRAITS: dict[str, _Traits] = {
+    "single": _Traits(False, False, Overlap.NONE, "none", "none"),
+    "ddp": _Traits(False, False, Overlap.BACKWARD, "none", "none"),
+    "zero1": _Traits(False, False, Overlap.NONE, "dp", "none"),
+    "zero2": _Traits(False, True, Overlap.NONE, "dp", "none"),
+    "zero3": _Traits(False, True, Overlap.FORWARD_BACKWARD, "dp", "dp"),
+    "zero2-offload": _Traits(False, True, Overlap.NONE, "dp", "none", "optimizer"),
+    "zero3-offload": _Traits(False, True, Overlap.FORWARD_BACKWARD, "dp", "host", "params"),
+    "fsdp": _Traits(False, True, Overlap.FORWARD_BACKWARD, "dp", "dp"),
+    "fsdp-offload": _Traits(False, True, Overlap.FORWARD_BACKWARD, "dp", "host", "params"),
+    "hsdp": _Traits(False, True, Overlap.FORWARD_BACKWARD, "node", "node"),
+    "gemini": _Traits(False, True, Overlap.NONE, "dp", "dp"),
+    # LowLevelZeroPlugin(overlap_communication=True) is ColossalAI's default.
+    "lowlevel-zero1": _Traits(False, True, Overlap.BACKWARD, "dp", "none"),
+    "lowlevel-zero2": _Traits(False, True, Overlap.BACKWARD, "dp", "none"),
+    "tp": _Traits(True, True, Overlap.NONE, "none", "none"),
+    "dp-tp": _Traits(True, True, Overlap.NONE, "none", "none"),
+    "fsdp-tp": _Traits(True, True, Overlap.NONE, "dp", "dp"),
+    "hybrid": _Traits(True, True, Overlap.NONE, "none", "none"),
+    "hybrid-zero1": _Traits(True, True, Overlap.NONE, "dp", "none"),
+}
+# Planner names that run a registry method with options.
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fsdp-offload": ("fsdp", {"cpu_offload": True}),
+    "hybrid-zero1": ("hybrid", {"zero_stage": 1}),
+}
+
+
+def planner_methods() -> list[str]:
+    """Every method name the planner searches (registry names plus variants)."""
+    return list(_TRAITS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One configuration and its predicted memory and speed.
+
+    Attributes:
+        method: Planner method name (``fsdp``, ``zero3-offload``, ``hybrid-zero1``...).
+        tp: Tensor-parallel degree.
+        micro_batch: Sequences per micro-step per data-parallel rank.
+        grad_accum: Micro-steps per optimizer step.
+        grad_checkpointing: Gradient checkpointing on.
+        offload: "optimizer", "params" or None.
+        device_total_bytes: Per-GPU device total of the worst rank.
+        peak_allocated_bytes: Its allocated peak.
+        peak_reserved_bytes: Its reserved peak.
+        limit_bytes: ``capacity * (1 - margin)``.
+        fits: ``device_total_bytes <= limit_bytes``.
+        verified: The numbers come from the method's full trace at exactly
+            this configuration (otherwise from the screen).
+        time: Predicted step time, by part.
+        tokens_per_s: Tokens per second over the whole cluster.
+        segments: Bytes at the peak by kind (for the plan picture).
+        host_bytes_per_node: Host RAM the offloaded states need per node.
+    """
+
+    method: str
+    tp: int
+    micro_batch: int
+    grad_accum: int
+    grad_checkpointing: bool
+    offload: str | None
+    device_total_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    limit_bytes: int
+    fits: bool
+    verified: bool
+    time: StepTime
+    tokens_per_s: float
+    segments: dict[str, int] = field(default_factory=dict)
+    host_bytes_per_node: int = 0
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.limit_bytes - self.device_total_bytes
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total_s
+
+    @property
+    def key(self) -> tuple:
+        return (self.method, self.tp, self.micro_batch, self.grad_checkpointing)
+
+    def label(self) -> str:
+        tp = f" tp{self.tp}" if self.tp > 1 else ""
+        gc = " +ckpt" if self.grad_checkpointing else ""
+        return f"{self.method}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "tp": self.tp,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "grad_checkpointing": self.grad_checkpointing,
+            "offload": self.offload,
+            "fits": self.fits,
+            "verified": self.verified,
+            "device_total_bytes": self.device_total_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "time": self.time.to_dict(),
+            "segments": dict(self.segments),
+            "host_bytes_per_node": self.host_bytes_per_node,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suggestion:
+    """A change that makes the job fit, with the plan it then gets."""
+
+    change: str
+    choice: Candidate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"change": self.change, "choice": self.choice.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        model: What was planned for.
+        gpu: Catalog GPU.
+        layout: GPUs and nodes (tp of the layout is 1; candidates carry theirs).
+        workload: The user's workload (its micro-batch, accumulation and
+            checkpointing are the planner's to choose).
+        global_batch: Sequences per optimizer step over the cluster.
+        capacity_bytes: The GPU's capacity.
+        margin: Fraction of the capacity kept free.
+        candidates: Every screened candidate, fastest first.
+        choice: The fastest verified candidate that fits, or None.
+        runner_up: The fastest other fitting candidate of a different method
+            or TP degree (None if there is none).
+        why: One line on why the choice beats the runner-up.
+        skipped: (method, reason) for methods that cannot run here.
+        suggestions: When nothing fits, changes that make it fit.
+        seconds: Wall time of the planning.
+    """
+
+    model: str
+    gpu: GPU
+    layout: Layout
+    workload: Workload
+    global_batch: int
+    capacity_bytes: int
+    margin: float
+    candidates: list[Candidate]
+    choice: Candidate | None
+    runner_up: Candidate | None
+    why: str
+    skipped: list[tuple[str, str]]
+    suggestions: list[Suggestion] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.capacity_bytes * (1 - self.margin))
+
+    def closest(self, n: int = 3) -> list[Candidate]:
+        """The ``n`` non-fitting candidates that exceed the limit least."""
+        over = [c for c in self.candidates if not c.fits]
+        return sorted(over, key=lambda c: c.device_total_bytes)[:n]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "gpu": self.gpu.name,
+            "layout": {"num_gpus": self.layout.num_gpus, "num_nodes": self.layout.num_nodes},
+            "workload": self.workload.to_dict(),
+            "global_batch": self.global_batch,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+            "limit_bytes": self.limit_bytes,
+            "choice": self.choice.to_dict() if self.choice else None,
+            "runner_up": self.runner_up.to_dict() if self.runner_up else None,
+            "why": self.why,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "skipped": [{"method": m, "reason": r} for m, r in self.skipped],
+            "suggestions": [s.to_dict() for s in self.suggestions],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+@dataclass(frozen=True)
+class _Point:
+    """The single-GPU step at one (micro-batch, checkpointing)."""
+
+    phase_allocated: dict[str, int]
+    flops: FlopCount
+
+
+def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) -> _Point:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llmem_plugin.cost import StepFlopCounter
+    from llmem_plugin.errors import tracing
+    from llmem_plugin.estimate import simulate_trace, uses_cublaslt, vocab_size_of
+    from llmem_plugin.fast import extrapolated_trace
+    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.step import NUM_ITERATIONS, trace_step
+    from llmem_plugin.tracker import MemoryTracker
+
+    flops: list[dict[str, float]] = []
+
+    def trace(m, w):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        modelbuild.fakeify(m, fake_mode)
+        tracker = MemoryTracker()
+        counter = StepFlopCounter(tracker)
+        with tracing(f"the training step of {type(m).__name__}"):
+            result = trace_step(m, w, vocab_size=vocab_size_of(m), fake_mode=fake_mode,
+                                compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
+                                tracker=tracker, contexts=[counter])
+        flops.append(dict(counter.by_phase))
+        return result
+
+    config = modelbuild.resolve_config(model)
+    depth = modelbuild.num_layers(config)
+    ext = extrapolated_trace(config, workload, depth=depth, trace=trace)
+    meta = modelbuild.build_model(modelbuild.set_num_layers(config, 1), workload, device="meta")
+    overheads = device_overheads(gpu.compute_capability, uses_cublaslt=uses_cublaslt(meta))
+    from llmem_plugin.allocator_config import AllocatorConfig
+
+    cfg = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    if ext.short is None:
+        sim = simulate_trace(ext.result, cfg, overheads, None)[0]
+        per_flops = flops_of_step(flops[0], NUM_ITERATIONS, workload.grad_accum_steps)
+        return _Point(dict(sim.phase_allocated_bytes), per_flops)
+    s1, s2 = (simulate_trace(r, cfg, overheads, None)[0] for r in (ext.short, ext.long))
+    phases = {p: v + round(ext.scale * (s2.phase_allocated_bytes[p] - v))
+              for p, v in s1.phase_allocated_bytes.items() if p in s2.phase_allocated_bytes}
+    f1, f2 = (flops_of_step(f, NUM_ITERATIONS, workload.grad_accum_steps) for f in flops)
+    return _Point(phases, FlopCount(forward=f1.forward + ext.scale * (f2.forward - f1.forward),
+                                    backward=f1.backward + ext.scale * (f2.backward - f1.backward)))
+
+
+class _Profiles:
+    """Single-GPU profile points, traced on first use and cached."""
+
+    def __init__(self, model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) -> None:
+        self._model, self._workload, self._gpu, self._alloc_conf = model, workload, gpu, alloc_conf
+        self._points: dict[tuple[int, bool], _Point] = {}
+
+    def point(self, micro_batch: int, gc: bool) -> _Point:
+        key = (micro_batch, gc)
+        if key not in self._points:
+            wl = dataclasses.replace(self._workload, micro_batch_size=micro_batch, grad_accum_steps=1,
+                                     grad_checkpointing=gc)
+            self._points[key] = _profile_point(self._model, wl, self._gpu, self._alloc_conf)
+        return self._points[key]
+
+    def phase(self, micro_batch: int, gc: bool, phase: str) -> float:
+        """A phase's allocated peak at any micro-batch (affine in it)."""
+        p1, p2 = self.point(1, gc), self.point(2, gc)
+        v1, v2 = p1.phase_allocated.get(phase, 0), p2.phase_allocated.get(phase, 0)
+        return v1 + (micro_batch - 1) * (v2 - v1)
+
+    def flops(self, micro_batch: int, gc: bool) -> FlopCount:
+        return self.point(1, gc).flops.scaled(micro_batch)
+
+
+# ----------------------------------------------------------------------------- screen
+
+
+@dataclass(frozen=True)
+class _Config:
+    method: str
+    tp: int
+
+
+@dataclass
+class _Base:
+    """A method's fast-mode estimates, the anchor of its candidates."""
+
+    one: MethodEstimate  # micro-batch 1, no checkpointing
+    two: MethodEstimate | None = None  # micro-batch 2 (TP: its share of the activations and their collectives)
+    ckpt: MethodEstimate | None = None  # micro-batch 1, checkpointing
+
+
+def _state_bytes_per_element(wl: Workload) -> int:
+    """Least optimizer-state bytes per trainable element on any engine."""
+    elem = 2 if wl.precision is Precision.BF16 else 4
+    return {OptimizerKind.ADAMW: 2 * elem, OptimizerKind.ADAMW_FUSED: 2 * elem, OptimizerKind.SGD: elem,
+            OptimizerKind.ADAFACTOR: 0}[wl.optimizer]
+
+
+def _shard(kind: str, layout: Layout, tp: int) -> int:
+    dp = layout.num_gpus // tp
+    return {"none": 1, "dp": dp, "node": min(layout.gpus_per_node // tp, dp)}[kind] * tp
+
+
+def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: Workload) -> int:
+    """Bytes every engine of this kind must hold per GPU: its parameter shard
+    in 16 bits (32 for fp32 training) and its optimizer-state shard. A screen
+    that may skip a configuration only when even this exceeds the limit."""
+    t = _TRAITS[cfg.method]
+    p_bytes = 4 if wl.precision is Precision.FP32 else 2
+    held = 0 if t.param_shard == "host" else params * p_bytes // _shard(t.param_shard, layout, cfg.tp)
+    states = 0 if t.offload else trainable * _state_bytes_per_element(wl) // _shard(t.state_shard, layout, cfg.tp)
+    return held + states
+
+
+def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
+                   fast: bool) -> MethodEstimate:
+    name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
+    lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
+    return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
+
+
+def _comm_split(intra: float, inter: float, cfg: _Config, layout: Layout) -> tuple[float, float]:
+    """(intra-only, cross-node) bytes. The methods report bytes by link with
+    a ring's inter-node share taken as nodes/ring size; a ring that spans
+    nodes runs every byte at the network's pace, so its full volume is
+    ``inter * ranks per node of the ring``."""
+    if layout.num_nodes == 1 or inter <= 0:
+        return intra, 0.0
+    per_node = 1 if cfg.method == "hsdp" else max(layout.gpus_per_node // cfg.tp, 1)
+    cross = inter * per_node
+    return max(intra + inter - cross, 0.0), cross
+
+
+def _segments(est: MethodEstimate, allocated: int, reserved: int, activation_delta: float) -> dict[str, int]:
+    w = est.worst
+    bd = dict(w.breakdown)
+    seg = {
+        "parameters": bd.get(MemoryCategory.PARAMETER.value, 0),
+        "gradients": bd.get(MemoryCategory.GRADIENT.value, 0),
+        "optimizer_states": bd.get(MemoryCategory.OPTIMIZER_STATE.value, 0),
+        "activations": max(bd.get(MemoryCategory.ACTIVATION.value, 0) + round(activation_delta), 0),
+    }
+    known = sum(seg.values())
+    seg["temporaries"] = max(allocated - known, 0)
+    seg["allocator_slack"] = max(reserved - max(allocated, known), 0)
+    seg["context_nccl"] = w.device_total_bytes - w.peak_reserved_bytes
+    return seg
+
+
+def _phase_peak(base: dict[str, int], deltas: dict[str, float]) -> int:
+    return max((v + deltas.get(p, 0.0) for p, v in base.items()), default=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Context:
+    model: Any
+    config: Any
+    workload: Workload
+    layout: Layout
+    gpu: GPU
+    network: Network
+    global_batch: int
+    limit: int
+    alloc_conf: Any
+    efficiency: float
+    params: int
+    trainable: int
+
+
+def _micro_batches(per_rank: int, pinned: int | None) -> list[int]:
+    if pinned is not None:
+        return [pinned] if per_rank % pinned == 0 else []
+    out = [m for m in (2**k for k in range(0, 16)) if m <= per_rank and per_rank % m == 0]
+    return out + ([per_rank] if per_rank not in out else [])
+
+
+def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb: int, gc: bool,
+               accum: int) -> Candidate:
+    t = _TRAITS[cfg.method]
+    one = base.one
+    anchor = base.ckpt if gc else one
+    assert anchor is not None
+    w = anchor.worst
+    phases = dict(w.phase_allocated) or {_FWD: w.peak_allocated_bytes}
+    # Activations grow linearly with the micro-batch: the profile's slope of
+    # its forward-phase peak (activations and temporaries alive at the end of
+    # forward) at the same checkpointing, times the share a TP rank holds
+    # (measured between the method's micro-batch 1 and 2 runs). The single-GPU
+    # backward peak is no guide: with unsharded states it falls at the end of
+    # backward, when every gradient is alive and most activations are gone.
+    k = 1.0
+    if t.tp_family and base.two is not None:
+        d_method = base.two.worst.phase_allocated.get(_FWD, 0) - one.worst.phase_allocated.get(_FWD, 0)
+        d_single = profiles.phase(2, False, _FWD) - profiles.phase(1, False, _FWD)
+        k = min(max(d_method / d_single, 1.0 / cfg.tp), 1.0) if d_single > 0 else 1.0 / cfg.tp
+    d = k * (profiles.phase(mb, gc, _FWD) - profiles.phase(1, gc, _FWD))
+    deltas = {_FWD: d, _BWD: d}
+    if accum > 1:
+        # From the second micro-step on, the accumulated gradients stay alive
+        # through forward and backward (the base ran one micro-step, after
+        # which the step frees them): add what the step held as gradients.
+        held = w.phase_breakdowns.get("optimizer", {}).get(MemoryCategory.GRADIENT.value, 0)
+        deltas = {p: v + held for p, v in deltas.items()}
+    allocated = _phase_peak(phases, deltas)
+    ratio = w.peak_reserved_bytes / max(w.peak_allocated_bytes, 1)
+    reserved = max(round(allocated * ratio), allocated)
+    outside = w.device_total_bytes - w.peak_reserved_bytes
+    total = reserved + outside
+    # Communication: per-sample (TP activations) and per-step parts; with
+    # checkpointing, recomputation repeats the forward's TP collectives
+    # (measured: the checkpointed base's volume over the plain one's).
+    intra1, inter1 = anchor.comm_intra_node_bytes, anchor.comm_inter_node_bytes
+    act_intra = act_inter = 0.0
+    if t.tp_family and base.two is not None:
+        act_intra = base.two.comm_intra_node_bytes - one.comm_intra_node_bytes
+        act_inter = base.two.comm_inter_node_bytes - one.comm_inter_node_bytes
+        if gc:
+            act_intra += anchor.comm_intra_node_bytes - one.comm_intra_node_bytes
+            act_inter += anchor.comm_inter_node_bytes - one.comm_inter_node_bytes
+    fixed_intra, fixed_inter = intra1 - act_intra, inter1 - act_inter
+    reps = accum if t.per_micro_comm else 1
+    intra = accum * mb * act_intra + reps * fixed_intra
+    inter = accum * mb * act_inter + reps * fixed_inter
+    intra_only, cross = _comm_split(intra, inter, cfg, ctx.layout)
+    flops = profiles.flops(mb, gc).scaled(1.0 / cfg.tp)
+    state_shard = _shard(t.state_shard, ctx.layout, cfg.tp)
+    elems = ctx.trainable // state_shard
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    pcie = 0
+    if t.offload:
+        pcie = accum * es * elems + es * elems  # gradients down each micro-step, parameters up once
+        if t.offload == "params":
+            pcie += accum * 2 * es * ctx.params // _shard("dp", ctx.layout, cfg.tp)  # gathered in fwd and bwd
+    work = StepWork(
+        flops=flops, micro_steps=accum, intra_only_bytes=round(intra_only), cross_node_bytes=round(cross),
+        overlap=t.overlap, optimizer_elements=0 if t.offload else elems,
+        host_optimizer_elements=elems if t.offload else 0, pcie_bytes=pcie,
+        gpus_per_node=ctx.layout.gpus_per_node,
+    )
+    st = step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
+                   network=ctx.network, efficiency=ctx.efficiency)
+    act_delta = deltas.get(_BWD, 0.0)
+    return Candidate(
+        method=cfg.method, tp=cfg.tp, micro_batch=mb, grad_accum=accum, grad_checkpointing=gc, offload=t.offload,
+        device_total_bytes=total, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+        limit_bytes=ctx.limit, fits=total <= ctx.limit, verified=False, time=st,
+        tokens_per_s=ctx.global_batch * ctx.workload.seq_len / st.total_s,
+        segments=_segments(anchor, allocated, reserved, act_delta),
+        host_bytes_per_node=anchor.host_bytes_per_node,
+    )
+
+
+def _screen_config(ctx: _Context, cfg: _Config, profiles: _Profiles, gcs: list[bool],
+                   pinned_mb: int | None) -> list[Candidate]:
+    t = _TRAITS[cfg.method]
+    dp = ctx.layout.num_gpus // cfg.tp
+    if ctx.global_batch % dp:
+        raise ConfigError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
+    per_rank = ctx.global_batch // dp
+    mbs = _micro_batches(per_rank, pinned_mb)
+    if not mbs:
+        raise ConfigError(f"micro-batch {pinned_mb} does not divide the {per_rank} sequences per rank")
+    wl1 = dataclasses.replace(ctx.workload, micro_batch_size=1, grad_accum_steps=1, grad_checkpointing=False)
+    wl_gc = dataclasses.replace(wl1, grad_checkpointing=True)
+
+    def run(w: Workload) -> MethodEstimate:
+        return _registry_call(cfg, ctx.model, w, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True)
+
+    need_plain = False in gcs or t.tp_family  # TP measures its activation share without checkpointing
+    ckpt = run(wl_gc) if True in gcs else None
+    one = run(wl1) if need_plain else ckpt
+    base = _Base(one, ckpt=ckpt)
+    if t.tp_family:
+        base.two = run(dataclasses.replace(wl1, micro_batch_size=2))
+    return [_candidate(ctx, cfg, base, profiles, mb, gc, per_rank // mb) for gc in gcs for mb in mbs]
+
+
+def _screen_one(args: tuple) -> list[Candidate] | LLMemError:
+    ctx, cfg, profiles, gcs, pinned = args
+    try:
+        return _screen_config(ctx, cfg, profiles, gcs, pinned)
+    except LLMemError as e:
+        return ConfigError(str(e))
+
+
+def _screen_all(ctx: _Context, configs: list[_Config], profiles: _Profiles, gcs: list[bool],
+                pinned: int | None) -> list[tuple[_Config, Any]]:
+    """Screen every configuration, over the machine's cores when it has
+    several: each worker is a fork of this process (the traced profiles and
+    imported modules come with it) that traces its configurations' bases."""
+    import os
+
+    jobs = [(ctx, cfg, profiles, gcs, pinned) for cfg in configs]
+    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    if workers <= 1:
+        return [(cfg, _screen_one(job)) for cfg, job in zip(configs, jobs, strict=True)]
+    import multiprocessing
+
+    # Tensor-parallel bases take two traces: start them first.
+    order = sorted(range(len(jobs)), key=lambda i: not _TRAITS[configs[i].method].tp_family)
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
+        results = pool.map(_screen_one, [jobs[i] for i in order], chunksize=1)
+    by_index = dict(zip(order, results, strict=True))
+    return [(configs[i], by_index[i]) for i in range(len(configs))]
+
+
+def _quiet_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _verify(ctx: _Context, c: Candidate) -> Candidate:
+    """The candidate's memory from the method's full trace at exactly its
+    configuration. Accumulation is traced with at most 2 micro-steps: from
+    the second on, every micro-step repeats the same allocations on the same
+    live state, so the peak is reached by then."""
+    wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=min(c.grad_accum, 2),
+                             grad_checkpointing=c.grad_checkpointing)
+    est = _registry_call(_Config(c.method, c.tp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=False)
+    w = est.worst
+    act_delta = 0.0
+    return dataclasses.replace(
+        c, device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
+        peak_reserved_bytes=w.peak_reserved_bytes, fits=w.device_total_bytes <= ctx.limit and w.fits,
+        verified=True, segments=_segments(est, w.peak_allocated_bytes, w.peak_reserved_bytes, act_delta),
+        host_bytes_per_node=est.host_bytes_per_node,
+    )
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) -> tuple[list[_Config], list]:
+    layout = ctx.layout
+    skipped: list[tuple[str, str]] = []
+    names = methods or planner_methods()
+    unknown = [m for m in names if m not in _TRAITS]
+    if unknown:
+        raise ConfigError(f"unknown method '{unknown[0]}'; valid: {', '.join(planner_methods())}. "
+                          "HINT: pass --methods with names from this list")
+    degrees = [d for d in range(2, layout.gpus_per_node + 1) if layout.gpus_per_node % d == 0]
+    if tps is not None:
+        degrees = [d for d in tps if d > 1]
+    out: list[_Config] = []
+    for name in names:
+        t = _TRAITS[name]
+        if name == "single":
+            if layout.num_gpus == 1:
+                out.append(_Config(name, 1))
+            continue
+        if name == "hsdp" and layout.num_nodes == 1:
+            skipped.append((name, "needs more than one node (it equals fsdp on one)"))
+            continue
+        if not t.tp_family:
+            if layout.num_gpus == 1 and not t.offload:
+                continue  # one GPU: `single` is the same step
+            out.append(_Config(name, 1))
+            continue
+        for d in degrees:
+            if name == "tp" and d != layout.num_gpus:
+                continue
+            if name != "tp" and d == layout.num_gpus:
+                continue  # no data parallelism left: plain `tp` covers it
+            try:
+                Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=d).check_model(ctx.config)
+            except ConfigError as e:
+                skipped.append((f"{name} tp{d}", str(e).split(". HINT")[0]))
+                continue
+            out.append(_Config(name, d))
+    return out, skipped
+
+
+def _why(choice: Candidate, runner: Candidate | None) -> str:
+    if runner is None:
+        return f"{choice.label()} is the only method that fits"
+    a, b = choice.time, runner.time
+    if b.total_s - a.total_s <= 1e-3 * a.total_s:
+        return (f"{choice.label()} ties with {runner.label()} at {a.total_s:.3g} s per step (communication hidden "
+                f"behind compute); it sends less ({a.comm_s:.3g} s vs {b.comm_s:.3g} s of link time)")
+    parts = {"compute": (a.compute_s, b.compute_s), "exposed communication": (a.exposed_comm_s, b.exposed_comm_s),
+             "optimizer step": (a.optimizer_s, b.optimizer_s), "offload": (a.offload_s, b.offload_s)}
+    name, (x, y) = max(parts.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    return (f"{choice.label()} beats {runner.label()}: {a.total_s:.3g} s vs {b.total_s:.3g} s per step, "
+            f"mostly {name} ({x:.3g} s vs {y:.3g} s)")
+
+
+def plan(
+    model: Any,
+    *,
+    gpu: GPU | str,
+    num_gpus: int = 1,
+    num_nodes: int = 1,
+    workload: Workload | None = None,
+    global_batch: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    methods: list[str] | None = None,
+    tps: list[int] | None = None,
+    micro_batch: int | None = None,
+    grad_checkpointing: bool | None = None,
+    gpu_memory: int | None = None,
+    alloc_conf: Any = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    inter_node_gbps: float | None = None,
+    verify: bool = True,
+    max_verify: int = 6,
+    suggest: bool = True,
+    _profiles: dict | None = None,
+) -> Plan:
+    """Search the methods for ``model`` on ``num_gpus`` GPUs and pick the fastest that fits.
+
+    Args:
+        model: Catalog name, config path or ``PretrainedConfig``.
+        gpu: Catalog GPU.
+        num_gpus: GPUs over all nodes.
+        num_nodes: Nodes.
+        workload: Sequence length, precision, optimizer, LoRA (micro-batch,
+            accumulation and checkpointing are searched unless pinned).
+        global_batch: Sequences per optimizer step (default 8 per GPU).
+        margin: Fraction of the capacity to keep free (default 5%).
+        methods: Restrict to these planner methods (:func:`planner_methods`).
+        tps: Restrict the tensor-parallel degrees.
+        micro_batch: Pin the micro-batch.
+        grad_checkpointing: Pin checkpointing (None: search both).
+        gpu_memory: Override the GPU's capacity in bytes.
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` to simulate.
+        efficiency: Model FLOPs utilisation for the step-time model.
+        inter_node_gbps: Network GB/s per GPU between nodes.
+        verify: Trace the choice in full before returning it.
+        max_verify: Candidates to trace in full before giving up.
+        suggest: When nothing fits, search for changes that make it fit.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        WontFitError: Nothing fits; carries the plan (with suggestions).
+        ConfigError: Bad input.
+    """
+    from llmem_plugin.estimate import _resolve_gpu
+
+    t0 = time.perf_counter()
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. --margin 0.05 for 5%")
+    if efficiency <= 0 or efficiency > 1:
+        raise ConfigError(f"efficiency must be in (0, 1], got {efficiency!r}. HINT: e.g. --efficiency 0.4")
+    target = _resolve_gpu(gpu, gpu_memory)
+    layout = Layout(num_gpus=num_gpus, num_nodes=num_nodes)
+    wl = workload or Workload()
+    if global_batch is None:
+        global_batch = DEFAULT_SEQUENCES_PER_GPU * num_gpus
+    if global_batch <= 0:
+        raise ConfigError(f"global batch must be a positive number of sequences, got {global_batch}")
+    config = modelbuild.resolve_config(model)
+    meta = modelbuild.build_model(config, wl, device="meta")
+    params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+    trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)
+    limit = int(target.capacity_bytes * (1 - margin))
+    ctx = _Context(model=model, config=config, workload=wl, layout=layout, gpu=target,
+                   network=Network.for_gpu(target, inter_node_gbps=inter_node_gbps), global_batch=global_batch,
+                   limit=limit, alloc_conf=alloc_conf, efficiency=efficiency, params=params, trainable=trainable)
+    cache = _profiles if _profiles is not None else {}
+    pkey = (repr(config.to_dict()) if hasattr(config, "to_dict") else repr(config), wl, target.name)
+    profiles = cache.setdefault(pkey, _Profiles(model, wl, target, alloc_conf))
+    gcs = [grad_checkpointing] if grad_checkpointing is not None else [False, True]
+
+    configs, skipped = _configs(ctx, methods, tps)
+    todo = []
+    for cfg in configs:
+        lb = _lower_bound(cfg, layout, params, trainable, wl)
+        if lb > limit:
+            skipped.append((_cfg_label(cfg), f"its parameter and optimizer-state shards alone take "
+                                             f"{lb / _GIB:.1f} GiB of the {limit / _GIB:.1f} GiB limit"))
+        else:
+            todo.append(cfg)
+    for g in gcs:  # traced here, so that screening workers inherit them
+        profiles.point(1, g), profiles.point(2, g)
+    candidates: list[Candidate] = []
+    for cfg, out in _screen_all(ctx, todo, profiles, gcs, micro_batch):
+        if isinstance(out, LLMemError):
+            skipped.append((_cfg_label(cfg), str(out).split(". HINT")[0]))
+        else:
+            candidates += out
+    # Fastest first; on a tie (the compute term dominates and the rest is
+    # hidden), the one that communicates less, then the one with more headroom.
+    candidates.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.time.comm_s, c.device_total_bytes))
+
+    choice = None
+    if verify:
+        tried = 0
+        for i, c in enumerate(candidates):
+            if not c.fits or tried >= max_verify:
+                continue
+            tried += 1
+            try:
+                v = _verify(ctx, c)
+            except LLMemError as e:
+                skipped.append((c.label(), str(e).split(". HINT")[0]))
+                candidates[i] = dataclasses.replace(c, fits=False)
+                continue
+            candidates[i] = v
+            if v.fits:
+                choice = v
+                break
+    else:
+        choice = next((c for c in candidates if c.fits), None)
+    runner = None
+    if choice is not None:
+        runner = next((c for c in candidates if c.fits and c is not choice
+                       and (c.method, c.tp) != (choice.method, choice.tp)), None)
+    why = _why(choice, runner) if choice is not None else ""
+    result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
+                  capacity_bytes=target.capacity_bytes, margin=margin, candidates=candidates, choice=choice,
+                  runner_up=runner, why=why, skipped=skipped, seconds=time.perf_counter() - t0)
+    if choice is None:
+        suggestions = []
+        if suggest:
+            suggestions = _suggestions(model, result, dict(
+                gpu=gpu, gpu_memory=gpu_memory, global_batch=global_batch, margin=margin, methods=methods,
+                tps=tps, micro_batch=micro_batch, grad_checkpointing=grad_checkpointing, alloc_conf=alloc_conf,
+                efficiency=efficiency, inter_node_gbps=inter_node_gbps, verify=verify, max_verify=max_verify),
+                cache)
+        result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0)
+        raise WontFitError(_wont_fit_line(result), plan=result)
+    return result
+
+
+def _cfg_label(cfg: _Config) -> str:
+    return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
+
+
+def _describe(model: Any) -> str:
+    if isinstance(model, str):
+        return model
+    return getattr(model, "_name_or_path", None) or getattr(model, "model_type", None) or type(model).__name__
+
+
+def _wont_fit_line(p: Plan) -> str:
+    head = (f"no method fits {p.model} on {p.layout.num_gpus} x {p.gpu.name} at seq {p.workload.seq_len} "
+            f"within {p.limit_bytes / _GIB:.1f} GiB per GPU")
+    close = p.closest(1)
+    if close:
+        c = close[0]
+        head += (f"; closest: {c.label()} needs {c.device_total_bytes / _GIB:.1f} GiB "
+                 f"(+{100 * (c.device_total_bytes / p.limit_bytes - 1):.0f}%)")
+    if p.suggestions:
+        head += "; to fit: " + "; ".join(s.change for s in p.suggestions)
+    return head
+
+
+def _suggestions(model: Any, failed: Plan, kw: dict[str, Any], cache: dict) -> list[Suggestion]:
+    """Changes that make the job fit, each confirmed by re-planning with it."""
+    out: list[Suggestion] = []
+    wl, layout = failed.workload, failed.layout
+
+    def attempt(change: str, **over: Any) -> bool:
+        args = {**kw, **over}
+        try:
+            p = plan(model, num_gpus=args.pop("num_gpus", layout.num_gpus),
+                     num_nodes=args.pop("num_nodes", layout.num_nodes), workload=args.pop("workload", wl),
+                     suggest=False, _profiles=cache, **args)
+        except WontFitError:
+            return False
+        out.append(Suggestion(change=change, choice=p.choice))
+        return True
+
+    # More GPUs, keeping the per-GPU batch: the smallest power-of-two multiple that fits.
+    per_gpu = failed.global_batch / layout.num_gpus
+    for factor in (2, 4, 8, 16, 32, 64):
+        n = layout.num_gpus * factor
+        if n > 4096:
+            break
+        per_node = min(max(layout.gpus_per_node, 1) * factor, _MAX_GPUS_PER_NODE) if layout.num_nodes == 1 \
+            else layout.gpus_per_node
+        nodes = max(n // per_node, 1)
+        gb = max(int(per_gpu * n), n)
+        if attempt(f"{n} GPUs ({nodes} node{'s' if nodes > 1 else ''})", num_gpus=n, num_nodes=nodes,
+                   global_batch=gb):
+            break
+    if kw.get("methods"):
+        offload = [m for m in planner_methods() if _TRAITS[m].offload]
+        if not set(offload) & set(kw["methods"]):
+            attempt("CPU offload (" + ", ".join(offload) + ")", methods=offload)
+    if wl.lora is None:
+        attempt("LoRA (rank 16 on q/k/v/o)", workload=dataclasses.replace(wl, lora=LoraSpec(rank=16)))
+    seq = wl.seq_len // 2
+    while seq >= 128:
+        if attempt(f"--seq-len {seq}", workload=dataclasses.replace(wl, seq_len=seq)):
+            break
+        seq //= 2
+    if kw.get("micro_batch") not in (None, 1):
+        attempt("--micro-batch 1", micro_batch=1)
+    return out
+
+
+def gpus_on_this_machine() -> tuple[str, int]:
+    """(catalog GPU name, count) of the CUDA devices here.
+
+    Raises:
+        ConfigError: No CUDA device, or one the catalog does not know.
+    """
+    import torch
+
+    from llmem_plugin.gpus import match_device_name
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ConfigError("no GPU found on this machine (torch.cuda.device_count() == 0). "
+                          "HINT: pass --gpu NAME --gpus N to plan for the machine the job will run on")
+    name = torch.cuda.get_device_name(0)
+    gpu = match_device_name(name)
+    if gpu is None:
+        raise ConfigError(f"this machine's GPU '{name}' is not in the catalog. "
+                          "HINT: pass --gpu with a similar one from `llmem gpus` and --gpu-memory")
+    return gpu.name, n
+
