@@ -1,8 +1,8 @@
 """The ``llmem`` command line.
 
 Each command is a parser function plus a command function. Exit codes: 0 on
-success, 2 for bad input (one line on stderr, no traceback), 3 reserved for
-"does not fit".
+success, 2 for bad input (one line on stderr, no traceback), 3 when nothing
+fits (``llmem plan``: the report is still printed).
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    _add_step_args(p)
+
+
+def _add_step_args(p: argparse.ArgumentParser) -> None:
+    """Workload settings the planner keeps as the user set them."""
     p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed (default), fp16-mixed or bf16")
     p.add_argument("--optimizer", default="adamw", help="adamw (foreach, default), adamw-fused, sgd or adafactor")
-    p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     p.add_argument("--attn", default="auto",
                    help="attention implementation: auto (transformers' default: sdpa where supported), sdpa or eager")
     p.add_argument("--lora-rank", type=int, default=None, help="enable LoRA with this rank")
@@ -55,8 +60,8 @@ def _gpu(args: argparse.Namespace):
     return resolve_gpu(args.gpu, args.gpu_memory)
 
 
-def _workload(args: argparse.Namespace):
-    from llmem_plugin.workload import LoraSpec, Workload
+def _lora(args: argparse.Namespace):
+    from llmem_plugin.workload import LoraSpec
 
     lora = None
     if args.lora_rank is not None:
@@ -68,6 +73,13 @@ def _workload(args: argparse.Namespace):
         from llmem_plugin.errors import ConfigError
 
         raise ConfigError("--lora-targets/--lora-alpha need --lora-rank. HINT: add --lora-rank 16")
+    return lora
+
+
+def _workload(args: argparse.Namespace):
+    from llmem_plugin.workload import Workload
+
+    lora = _lora(args)
     return Workload(
         seq_len=args.seq_len,
         micro_batch_size=args.batch_size,
@@ -95,6 +107,8 @@ def _parser_estimate(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallel for the tensor-parallel methods (tp, dp-tp, fsdp-tp)")
     p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)
 
@@ -158,12 +172,25 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from llmem_plugin.estimate import estimate
 
     if args.method is not None or args.gpus not in (None, 1) or args.tp != 1 or args.nodes != 1 or args.offload:
+        if args.plot:
+            from llmem_plugin.errors import ConfigError
+
+            raise ConfigError("--plot draws the single-GPU step. HINT: drop --method/--gpus/--tp/--nodes/--offload, "
+                              "or use `llmem plan --plot` for the methods")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _cmd_methods(args)
 
+    if args.plot and args.fast:
+        from llmem_plugin.errors import ConfigError
+
+        raise ConfigError("--plot needs the full trace's timeline, which --fast does not keep. HINT: drop --fast")
     est = estimate(args.model, _workload(args), fast=args.fast, gpu=_gpu(args), alloc_conf=args.alloc_conf,
                    torch_version=args.torch_version)
+    if args.plot:
+        from llmem_plugin.plot import plot_estimate
+
+        plot_estimate(est, args.plot)
     if args.json:
         print(json.dumps(est.to_dict()))
     else:
@@ -173,6 +200,104 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
         render_estimate(est, Console())
     return 0
+
+
+def _parser_plan(sub) -> None:
+    p = sub.add_parser("plan", help="pick the fastest fine-tuning method that fits the GPUs, or say why none does")
+    p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs over all nodes (default: this machine's)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    _add_gpu_args(p)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step over all GPUs (default 8 per GPU)")
+    p.add_argument("--margin", type=float, default=None, help="fraction of GPU memory kept free (default 0.05)")
+    p.add_argument("--methods", default=None, help="comma-separated methods to consider (default: all)")
+    p.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default: all that fit a node)")
+    p.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch (default: searched)")
+    p.add_argument("--grad-checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="search checkpointing (auto, default) or pin it")
+    _add_step_args(p)
+    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="model FLOPs utilisation of the step-time model (default 0.40)")
+    p.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="network GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
+    p.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
+    p.add_argument("--all", action="store_true", help="list every candidate")
+    p.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _plan_target(args: argparse.Namespace) -> tuple[str | None, int]:
+    """(GPU name, GPU count): the flags', else this machine's."""
+    from llmem_plugin.planner import gpus_on_this_machine
+
+    if args.gpu is None and args.gpus is None:
+        return gpus_on_this_machine()
+    gpus = args.gpus if args.gpus is not None else 1
+    return args.gpu, gpus
+
+
+def _csv(value: str | None, cast=str) -> list | None:
+    from llmem_plugin.errors import ConfigError
+
+    if value is None:
+        return None
+    try:
+        items = [cast(v.strip()) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"cannot read '{value}' as a comma-separated list. HINT: e.g. 2,4,8") from None
+    if not items:
+        raise ConfigError(f"empty list '{value}'. HINT: e.g. fsdp,zero3")
+    return items
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from llmem_plugin.errors import WontFitError
+    from llmem_plugin.gpus import parse_memory
+    from llmem_plugin.planner import DEFAULT_MARGIN, plan
+    from llmem_plugin.workload import Workload
+
+    gpu, n = _plan_target(args)
+    wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora=_lora(args),
+                  attn_implementation=args.attn)
+    kw = {}
+    if args.efficiency is not None:
+        kw["efficiency"] = args.efficiency
+    gc = {"auto": None, "on": True, "off": False}[args.grad_checkpointing]
+    try:
+        result, code = plan(
+            args.model, gpu=gpu or "h100-sxm", num_gpus=n, num_nodes=args.nodes, workload=wl,
+            global_batch=args.global_batch, margin=DEFAULT_MARGIN if args.margin is None else args.margin,
+            methods=_csv(args.methods), tps=_csv(args.tp, int), micro_batch=args.micro_batch,
+            grad_checkpointing=gc, gpu_memory=parse_memory(args.gpu_memory) if args.gpu_memory else None,
+            alloc_conf=args.alloc_conf, inter_node_gbps=args.inter_node_gbps, verify=not args.no_verify, **kw,
+        ), 0
+    except WontFitError as e:
+        result, code = e.plan, EXIT_WONT_FIT
+        if not args.json:
+            print(f"llmem: {e}", file=sys.stderr)
+    if args.plot:
+        from llmem_plugin.plot import plot_plan
+        from llmem_plugin.report import _plan_rows
+
+        rows = _plan_rows(result, args.all)
+        chosen = next((i for i, c in enumerate(rows) if c is result.choice), None)
+        plot_plan([(c.label(), c.segments) for c in rows], capacity_bytes=result.capacity_bytes,
+                  margin=result.margin, chosen=chosen, path=args.plot,
+                  title=f"{result.model} on {result.layout.num_gpus} x {result.gpu.name}")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_plan
+
+        console = Console()
+        render_plan(result, Console(width=max(console.width, 130)), show_all=args.all)
+    return code
 
 
 def _parser_models(sub) -> None:
@@ -270,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _parser_estimate(sub)
+    _parser_plan(sub)
     _parser_models(sub)
     _parser_validate(sub)
     _parser_gpus(sub)

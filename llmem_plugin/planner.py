@@ -419,15 +419,30 @@ def _comm_split(intra: float, inter: float, cfg: _Config, layout: Layout) -> tup
     return max(intra + inter - cross, 0.0), cross
 
 
+# Method-specific breakdown keys, by the plan picture's segment they belong to.
+_SEGMENT_OF = {
+    MemoryCategory.PARAMETER.value: "parameters",
+    "gathered_parameters": "parameters",
+    MemoryCategory.GRADIENT.value: "gradients",
+    "fp32_gradients": "gradients",
+    MemoryCategory.OPTIMIZER_STATE.value: "optimizer_states",
+    "fp32_master_weights": "optimizer_states",
+    MemoryCategory.ACTIVATION.value: "activations",
+}
+
+
 def _segments(est: MethodEstimate, allocated: int, reserved: int, activation_delta: float) -> dict[str, int]:
+    """Bytes at the peak by the plan picture's segments: the method's tensor
+    breakdown at its peak (activations moved by the candidate's difference
+    from it), the rest of the allocated peak as temporaries (buffers,
+    workspaces, transient tensors), then the allocator's slack and what lies
+    outside it."""
     w = est.worst
-    bd = dict(w.breakdown)
-    seg = {
-        "parameters": bd.get(MemoryCategory.PARAMETER.value, 0),
-        "gradients": bd.get(MemoryCategory.GRADIENT.value, 0),
-        "optimizer_states": bd.get(MemoryCategory.OPTIMIZER_STATE.value, 0),
-        "activations": max(bd.get(MemoryCategory.ACTIVATION.value, 0) + round(activation_delta), 0),
-    }
+    seg = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "activations": 0}
+    for key, v in w.breakdown.items():
+        if key in _SEGMENT_OF:
+            seg[_SEGMENT_OF[key]] += v
+    seg["activations"] = max(seg["activations"] + round(activation_delta), 0)
     known = sum(seg.values())
     seg["temporaries"] = max(allocated - known, 0)
     seg["allocator_slack"] = max(reserved - max(allocated, known), 0)
@@ -543,11 +558,11 @@ def _screen_config(ctx: _Context, cfg: _Config, profiles: _Profiles, gcs: list[b
     t = _TRAITS[cfg.method]
     dp = ctx.layout.num_gpus // cfg.tp
     if ctx.global_batch % dp:
-        raise ConfigError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
+        raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
     per_rank = ctx.global_batch // dp
     mbs = _micro_batches(per_rank, pinned_mb)
     if not mbs:
-        raise ConfigError(f"micro-batch {pinned_mb} does not divide the {per_rank} sequences per rank")
+        raise _BatchError(f"micro-batch {pinned_mb} does not divide the {per_rank} sequences per rank")
     wl1 = dataclasses.replace(ctx.workload, micro_batch_size=1, grad_accum_steps=1, grad_checkpointing=False)
     wl_gc = dataclasses.replace(wl1, grad_checkpointing=True)
 
@@ -563,10 +578,16 @@ def _screen_config(ctx: _Context, cfg: _Config, profiles: _Profiles, gcs: list[b
     return [_candidate(ctx, cfg, base, profiles, mb, gc, per_rank // mb) for gc in gcs for mb in mbs]
 
 
+class _BatchError(ConfigError):
+    """The global batch does not split over a configuration's ranks."""
+
+
 def _screen_one(args: tuple) -> list[Candidate] | LLMemError:
     ctx, cfg, profiles, gcs, pinned = args
     try:
         return _screen_config(ctx, cfg, profiles, gcs, pinned)
+    except _BatchError as e:
+        return _BatchError(str(e))
     except LLMemError as e:
         return ConfigError(str(e))
 
@@ -764,11 +785,17 @@ def plan(
     for g in gcs:  # traced here, so that screening workers inherit them
         profiles.point(1, g), profiles.point(2, g)
     candidates: list[Candidate] = []
+    batch_errors = []
     for cfg, out in _screen_all(ctx, todo, profiles, gcs, micro_batch):
         if isinstance(out, LLMemError):
             skipped.append((_cfg_label(cfg), str(out).split(". HINT")[0]))
+            if isinstance(out, _BatchError):
+                batch_errors.append(str(out))
         else:
             candidates += out
+    if not candidates and todo and len(batch_errors) == len(todo):
+        raise ConfigError(f"{batch_errors[0]}. HINT: pass a --global-batch that is a multiple of the GPU count"
+                          + (" and a --micro-batch that divides it" if micro_batch else ""))
     # Fastest first; on a tie (the compute term dominates and the rest is
     # hidden), the one that communicates less, then the one with more headroom.
     candidates.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.time.comm_s, c.device_total_bytes))

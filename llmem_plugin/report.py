@@ -12,8 +12,14 @@ from llmem_plugin.validate import METRICS, ValidationReport
 from llmem_plugin.tracker import MemoryCategory, Phase
 
 __all__ = [
+    "gib",
+    "render_estimate",
+    "render_gpus",
     "render_methods",
-    "render_validation","gib", "render_estimate", "render_gpus", "render_models"]
+    "render_models",
+    "render_plan",
+    "render_validation",
+]
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
 
@@ -175,3 +181,56 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
             console.print(f"{est.method}: {note}")
     for name, why in skipped:
         console.print(f"{name}: not applicable ({why})")
+
+
+def _plan_rows(plan, show_all: bool) -> list:
+    """Fitting candidates fastest first, then the closest that do not fit."""
+    fit = [c for c in plan.candidates if c.fits]
+    over = plan.closest(len(plan.candidates) if show_all else 5)
+    if not show_all:
+        fit = fit[:15]
+        if plan.choice is not None and plan.choice not in fit:
+            fit = [plan.choice, *fit]
+    return fit + over
+
+
+def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
+    """Print the candidate table with the choice highlighted, and why it wins."""
+    wl = plan.workload
+    lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
+    console.print(
+        f"{plan.model} on {plan.layout.num_gpus} x {plan.gpu.name} ({plan.layout.num_nodes} node"
+        f"{'s' if plan.layout.num_nodes > 1 else ''}): seq {wl.seq_len}, global batch {plan.global_batch}, "
+        f"{wl.precision.value}, {wl.optimizer.value}{lora}; limit {gib(plan.limit_bytes)} GiB per GPU "
+        f"({gib(plan.capacity_bytes)} GiB less a {100 * plan.margin:g}% margin)"
+    )
+    table = Table()
+    for name, justify in (("", "left"), ("method", "left"), ("tp", "right"), ("micro", "right"),
+                          ("accum", "right"), ("ckpt", "left"), ("offload", "left"),
+                          ("GiB/GPU", "right"), ("free GiB", "right"), ("step s", "right"),
+                          ("tokens/s", "right"), ("memory", "left")):
+        table.add_column(name, justify=justify)
+    for c in _plan_rows(plan, show_all):
+        chosen = c is plan.choice
+        table.add_row(
+            "*" if chosen else ("" if c.fits else "x"),
+            c.method, str(c.tp), str(c.micro_batch), str(c.grad_accum), "yes" if c.grad_checkpointing else "",
+            c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes), f"{c.step_time_s:.3g}",
+            f"{c.tokens_per_s:,.0f}", "traced" if c.verified else "screened",
+            style="bold green" if chosen else (None if c.fits else "dim"),
+        )
+    console.print(table)
+    if plan.choice is not None:
+        console.print(f"choice: {plan.why}")
+    else:
+        console.print("nothing fits.")
+        for s in plan.suggestions:
+            c = s.choice
+            console.print(f"  fits with {s.change}: {c.label()}, {gib(c.device_total_bytes)} GiB per GPU, "
+                          f"{c.tokens_per_s:,.0f} tokens/s")
+        if not plan.suggestions:
+            console.print("  no change tried (more GPUs, offload, LoRA, a shorter sequence) made it fit")
+    for name, why in plan.skipped:
+        console.print(f"[dim]skipped {name}: {why}[/dim]")
+    console.print(f"[dim]memory 'screened': from fast-mode traces of each method; 'traced': the method's full "
+                  f"trace at exactly that configuration. Planned in {plan.seconds:.1f} s.[/dim]")

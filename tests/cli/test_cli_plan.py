@@ -1,0 +1,98 @@
+"""`llmem plan`: the candidate table, JSON keys, exit codes 0/2/3, pictures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CANDIDATE_KEYS = ("method", "tp", "micro_batch", "grad_checkpointing", "offload", "fits", "device_total_bytes",
+                  "step_time_s", "tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=4096,
+    ).save_pretrained(d)
+    return str(d / "config.json")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BASE = ("plan", "--gpus", "2", "--gpu", "h100-sxm", "--seq-len", "512", "--methods", "ddp,fsdp")
+
+
+def test_fits_exit_0_json_has_the_choice_and_every_candidate(capsys, model, tmp_path):
+    png = tmp_path / "plan.png"
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "1.7GiB", "--json", "--plot", str(png))
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["choice"] is not None and d["choice"]["fits"]
+    assert d["candidates"]
+    for c in d["candidates"] + [d["choice"]]:
+        for key in CANDIDATE_KEYS:
+            assert key in c
+    assert d["choice"]["device_total_bytes"] <= d["limit_bytes"]
+    fitting = [c for c in d["candidates"] if c["fits"]]
+    assert max(c["tokens_per_s"] for c in fitting) == d["choice"]["tokens_per_s"]
+    assert png.read_bytes()[:8] == PNG
+
+
+def test_table_marks_the_choice_and_says_why(capsys, model):
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "1.7GiB")
+    assert code == 0, err
+    assert "choice:" in out and ("beats" in out or "ties with" in out or "only method" in out)
+    assert "fsdp" in out
+
+
+def test_nothing_fits_exit_3_with_the_report(capsys, model):
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "0.9GiB", "--global-batch", "2")
+    assert code == EXIT_WONT_FIT
+    assert "no method fits" in err and len(err.strip().splitlines()) == 1
+    assert "nothing fits" in out and "fits with" in out  # the suggestions, confirmed by re-planning
+    code, out, _ = run(capsys, *BASE, "--model", model, "--gpu-memory", "0.9GiB", "--global-batch", "2", "--json")
+    assert code == EXIT_WONT_FIT
+    d = json.loads(out)
+    assert d["choice"] is None and d["suggestions"] and all(s["choice"]["fits"] for s in d["suggestions"])
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (("--methods", "zero9"), "unknown method 'zero9'"),
+    (("--margin", "2"), "margin"),
+    (("--tp", "two"), "comma-separated"),
+    (("--global-batch", "3", "--methods", "ddp"), "not a multiple"),
+])
+def test_bad_input_exit_2_one_line(capsys, model, argv, fragment):
+    code, out, err = run(capsys, "plan", "--model", model, "--gpus", "2", "--gpu", "h100-sxm", *argv)
+    assert code == EXIT_BAD_INPUT
+    assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_without_gpu_flags_it_plans_for_this_machine_or_says_none_was_found(capsys, model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-GPU message is for machines without one")
+    code, _, err = run(capsys, "plan", "--model", model)
+    assert code == EXIT_BAD_INPUT
+    assert "no GPU found on this machine" in err and "--gpu" in err
+
+
+def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
+    png = tmp_path / "step.png"
+    code, _, err = run(capsys, "estimate", "--model", model, "--seq-len", "256", "--plot", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == PNG
+    code, _, err = run(capsys, "estimate", "--model", model, "--fast", "--plot", str(png))
+    assert code == EXIT_BAD_INPUT and "--fast" in err
