@@ -1,15 +1,19 @@
 """llmem_plugin: the peak GPU memory of a fine-tuning step, before it runs."""
 
 from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError
+from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError, WontFitError
 from llmem_plugin.estimate import Estimate, estimate
 from llmem_plugin.gpus import GPU, get_gpu
+from llmem_plugin.planner import Candidate, Plan, plan
 from llmem_plugin.tracker import MemoryCategory, Phase
 from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
 
 __all__ = [
     "estimate",
     "Estimate",
+    "plan",
+    "Plan",
+    "Candidate",
     "GPU",
     "get_gpu",
     "AllocatorConfig",
@@ -24,6 +28,7 @@ __all__ = [
     "ConfigError",
     "UnsupportedError",
     "TraceError",
+    "WontFitError",
 ]
 
 __version__ = "0.1.0"

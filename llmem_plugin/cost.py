@@ -69,9 +69,9 @@ __all__ = [
     "FlopCount",
     "Network",
     "Overlap",
+    "StepFlopCounter",
     "StepTime",
     "StepWork",
-    "StepFlopCounter",
     "flops_of_step",
     "optimizer_bytes_per_element",
     "pcie_gbps",
@@ -168,14 +168,14 @@ class StepFlopCounter(contextlib.AbstractContextManager):
     def _on_attention(self, which: str, q: tuple, k: tuple, v: tuple, is_causal: bool) -> None:
         self._counter.add(self._tracker.phase.value, _attention_flops(which, q, k, v, is_causal))
 
-    def __enter__(self) -> StepFlopCounter:
+    def __enter__(self) -> StepFlopCounter:  # noqa: PYI034 (typing.Self needs 3.11)
         from llmem_plugin.emulation.sdpa import observe_attention
 
         self._stack.enter_context(self._counter)
         self._stack.enter_context(observe_attention(self._on_attention))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
 

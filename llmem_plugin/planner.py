@@ -232,6 +232,8 @@ class Plan:
         skipped: (method, reason) for methods that cannot run here.
         suggestions: When nothing fits, changes that make it fit.
         seconds: Wall time of the planning.
+        timings: Seconds by stage: "profile", "screen", "verify" (and
+            "suggest" when nothing fits).
     """
 
     model: str
@@ -248,6 +250,7 @@ class Plan:
     skipped: list[tuple[str, str]]
     suggestions: list[Suggestion] = field(default_factory=list)
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def limit_bytes(self) -> int:
@@ -275,6 +278,7 @@ class Plan:
             "skipped": [{"method": m, "reason": r} for m, r in self.skipped],
             "suggestions": [s.to_dict() for s in self.suggestions],
             "seconds": round(self.seconds, 3),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
         }
 
 
@@ -473,7 +477,7 @@ class _Context:
 def _micro_batches(per_rank: int, pinned: int | None) -> list[int]:
     if pinned is not None:
         return [pinned] if per_rank % pinned == 0 else []
-    out = [m for m in (2**k for k in range(0, 16)) if m <= per_rank and per_rank % m == 0]
+    out = [m for m in (2**k for k in range(16)) if m <= per_rank and per_rank % m == 0]
     return out + ([per_rank] if per_rank not in out else [])
 
 
@@ -778,12 +782,15 @@ def plan(
     for cfg in configs:
         lb = _lower_bound(cfg, layout, params, trainable, wl)
         if lb > limit:
-            skipped.append((_cfg_label(cfg), f"its parameter and optimizer-state shards alone take "
-                                             f"{lb / _GIB:.1f} GiB of the {limit / _GIB:.1f} GiB limit"))
+            why = f"its parameter and optimizer-state shards alone take {lb / _GIB:.1f} GiB of the " \
+                  f"{limit / _GIB:.1f} GiB limit"
+            skipped.append((_cfg_label(cfg), why))
         else:
             todo.append(cfg)
+    t_profile = time.perf_counter()
     for g in gcs:  # traced here, so that screening workers inherit them
         profiles.point(1, g), profiles.point(2, g)
+    t_screen = time.perf_counter()
     candidates: list[Candidate] = []
     batch_errors = []
     for cfg, out in _screen_all(ctx, todo, profiles, gcs, micro_batch):
@@ -800,6 +807,7 @@ def plan(
     # hidden), the one that communicates less, then the one with more headroom.
     candidates.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.time.comm_s, c.device_total_bytes))
 
+    t_verify = time.perf_counter()
     choice = None
     if verify:
         tried = 0
@@ -824,18 +832,21 @@ def plan(
         runner = next((c for c in candidates if c.fits and c is not choice
                        and (c.method, c.tp) != (choice.method, choice.tp)), None)
     why = _why(choice, runner) if choice is not None else ""
+    t_end = time.perf_counter()
+    timings = {"profile": t_screen - t_profile, "screen": t_verify - t_screen, "verify": t_end - t_verify}
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
                   capacity_bytes=target.capacity_bytes, margin=margin, candidates=candidates, choice=choice,
-                  runner_up=runner, why=why, skipped=skipped, seconds=time.perf_counter() - t0)
+                  runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings)
     if choice is None:
         suggestions = []
         if suggest:
-            suggestions = _suggestions(model, result, dict(
-                gpu=gpu, gpu_memory=gpu_memory, global_batch=global_batch, margin=margin, methods=methods,
-                tps=tps, micro_batch=micro_batch, grad_checkpointing=grad_checkpointing, alloc_conf=alloc_conf,
-                efficiency=efficiency, inter_node_gbps=inter_node_gbps, verify=verify, max_verify=max_verify),
-                cache)
-        result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0)
+            same = {"gpu": gpu, "gpu_memory": gpu_memory, "global_batch": global_batch, "margin": margin,
+                    "methods": methods, "tps": tps, "micro_batch": micro_batch,
+                    "grad_checkpointing": grad_checkpointing, "alloc_conf": alloc_conf, "efficiency": efficiency,
+                    "inter_node_gbps": inter_node_gbps, "verify": verify, "max_verify": max_verify}
+            suggestions = _suggestions(model, result, same, cache)
+        result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0,
+                                     timings={**timings, "suggest": time.perf_counter() - t_end})
         raise WontFitError(_wont_fit_line(result), plan=result)
     return result
 

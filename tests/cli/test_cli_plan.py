@@ -74,7 +74,7 @@ def test_nothing_fits_exit_3_with_the_report(capsys, model):
     (("--global-batch", "3", "--methods", "ddp"), "not a multiple"),
 ])
 def test_bad_input_exit_2_one_line(capsys, model, argv, fragment):
-    code, out, err = run(capsys, "plan", "--model", model, "--gpus", "2", "--gpu", "h100-sxm", *argv)
+    code, _, err = run(capsys, "plan", "--model", model, "--gpus", "2", "--gpu", "h100-sxm", *argv)
     assert code == EXIT_BAD_INPUT
     assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 

@@ -81,7 +81,7 @@ def test_more_gpus_never_make_the_best_throughput_worse():
 
 
 def test_more_memory_never_turns_a_fit_into_a_non_fit():
-    kw = dict(gpu="h100-sxm", num_gpus=2, workload=WL, methods=["ddp", "fsdp"], global_batch=4)
+    kw = {"gpu": "h100-sxm", "num_gpus": 2, "workload": WL, "methods": ["ddp", "fsdp"], "global_batch": 4}
     tight = plan(small(), gpu_memory=int(1.7 * GIB), **kw)
     roomy = plan(small(), gpu_memory=3 * GIB, **kw)
     assert not all(c.fits for c in tight.candidates)

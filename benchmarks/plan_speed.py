@@ -1,0 +1,81 @@
+"""Speed of `llmem plan` on this machine, by stage.
+
+Target (issue "Planner"): Llama-3.1-70B on 64 GPUs (8 nodes of 8 H100s),
+over the full space of methods, TP degrees, micro-batches, checkpointing and
+offload, in under 15 s on a 2-core CPU.
+
+Each case runs in a fresh process after a warm-up (imports and first calls,
+reported as `cold_s`); one timed plan per case, with the planner's own
+split: `profile` (single-GPU traces), `screen` (fast-mode traces of every
+method, on all cores), `verify` (the full trace of the choice).
+
+    python benchmarks/plan_speed.py     # writes benchmarks/results/plan-speed-<date>.json
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+CASES = [
+    {"model": "llama-3.1-70b", "num_gpus": 64, "num_nodes": 8},
+    {"model": "llama-3.1-8b", "num_gpus": 8, "num_nodes": 1},
+    {"model": "llama-3.1-8b", "num_gpus": 1, "num_nodes": 1},
+]
+
+
+def _one(case: dict) -> dict:
+    t0 = time.perf_counter()
+    import llmem_plugin
+    from llmem_plugin.workload import Workload
+
+    llmem_plugin.estimate("llama-3.2-1b", seq_len=64, fast=True)  # warm-up: imports, first calls
+    cold = time.perf_counter() - t0
+    t = time.perf_counter()
+    p = llmem_plugin.plan(case["model"], gpu="h100-sxm", num_gpus=case["num_gpus"], num_nodes=case["num_nodes"],
+                          workload=Workload(seq_len=2048))
+    wall = time.perf_counter() - t
+    c = p.choice
+    return {**case, "seq_len": 2048, "global_batch": p.global_batch, "wall_s": round(wall, 3),
+            "timings_s": {k: round(v, 3) for k, v in p.timings.items()}, "cold_s": round(cold, 3),
+            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "candidates": len(p.candidates), "skipped": len(p.skipped),
+            "choice": c.label(), "choice_device_total_bytes": c.device_total_bytes,
+            "choice_step_time_s": round(c.step_time_s, 4), "why": p.why}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--case":
+        print(json.dumps(_one(json.loads(sys.argv[2]))))
+        return
+    import torch
+    import transformers
+
+    rows = []
+    for case in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
+                             text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    date = dt.date.today().isoformat()
+    record = {
+        "date": date,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "transformers": transformers.__version__},
+        "rows": rows,
+    }
+    path = os.path.join(os.path.dirname(__file__), "results", f"plan-speed-{date}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
