@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from llmem_plugin.estimate import Estimate
-from llmem_plugin.validate import METRICS, ValidationReport
 from llmem_plugin.tracker import MemoryCategory, Phase
+from llmem_plugin.validate import METRICS, ValidationReport
 
 __all__ = [
     "gib",
