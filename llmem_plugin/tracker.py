@@ -215,6 +215,15 @@ class MemoryTracker(TorchDispatchMode):
 
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = self._run(func, args, kwargs)
+        if not _pause.is_paused():
+            for t in _tensors_in(out):
+                self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
+        return out
+
+    @staticmethod
+    def _run(func, args, kwargs):
+        """Run one op, recording nothing."""
         if func is _PRIM_DEVICE:
             # `tensor.device` queries (the autograd engine makes tens of
             # thousands per step) allocate nothing; answering them here skips
@@ -227,11 +236,7 @@ class MemoryTracker(TorchDispatchMode):
             # compute python scalars; memory does not depend on them. A fixed
             # 1 stands in.
             return _PLACEHOLDER_SCALAR.get(args[0].dtype.is_floating_point, 1)
-        out = func(*args, **(kwargs or {}))
-        if not _pause.is_paused():
-            for t in _tensors_in(out):
-                self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
-        return out
+        return func(*args, **(kwargs or {}))
 
     def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:
         key = id(storage)

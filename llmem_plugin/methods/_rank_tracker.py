@@ -30,6 +30,8 @@ class Collective:
 
 
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_PRIM_DEVICE = torch.ops.prim.device.default
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
 class RankTracker(MemoryTracker):
@@ -63,14 +65,15 @@ class RankTracker(MemoryTracker):
         self.collectives: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
-
-        if any(is_traceable_wrapper_subclass_type(t) for t in types):
-            return NotImplemented
-        active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        for t in types:
+            if _is_wrapper_type(t):
+                return NotImplemented
+        if func is _PRIM_DEVICE:  # answered without dispatch, allocates nothing (MemoryTracker._run)
+            return self._run(func, args, kwargs)
+        active = torch._C._get_dispatch_mode(_FAKE_MODE_KEY)
         if active is not None and active is not self._fake_mode:
             with _pause.untracked():
-                return super().__torch_dispatch__(func, types, args, kwargs)
+                return self._run(func, args, kwargs)
         if func is _WAIT_TENSOR and is_fake(args[0]):
             # The real kernel returns its input (torch/csrc/distributed/c10d/
             # Functional.cpp, wait_tensor); the fake kernel would return a
@@ -81,8 +84,8 @@ class RankTracker(MemoryTracker):
             if c is not None:
                 self.collectives.append(c)
         seeing = not _pause.is_paused()
-        with _pause.untracked():  # the base class would see wrappers' storages
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+        with _pause.untracked():  # seen below, through wrapper subclasses
+            out = self._run(func, args, kwargs)
         if seeing:
             for t in _inner_tensors(out):
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
@@ -107,17 +110,30 @@ class RankTracker(MemoryTracker):
 
 def _inner_tensors(out: Any) -> Iterator[torch.Tensor]:
     """The plain tensors in an op's output, wrapper subclasses unwrapped."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if isinstance(out, (tuple, list)):
         for o in out:
             yield from _inner_tensors(o)
-    elif is_traceable_wrapper_subclass(out):
-        names, _ = out.__tensor_flatten__()
-        for name in names:
-            yield from _inner_tensors(getattr(out, name))
     elif isinstance(out, torch.Tensor):
-        yield out
+        if _is_wrapper_type(type(out)):
+            names, _ = out.__tensor_flatten__()
+            for name in names:
+                yield from _inner_tensors(getattr(out, name))
+        else:
+            yield out
+
+
+# Tensor type -> whether it is a traceable wrapper subclass (DTensor,
+# AsyncCollectiveTensor): asked for every op's argument types, and fixed per type.
+_WRAPPER_TYPES: dict[type, bool] = {}
+
+
+def _is_wrapper_type(t: type) -> bool:
+    known = _WRAPPER_TYPES.get(t)
+    if known is None:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+        known = _WRAPPER_TYPES[t] = is_traceable_wrapper_subclass_type(t)
+    return known
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from llmem_plugin.methods._fakepg import (
     fake_process_group,
     isolated_sharding_propagation,
 )
+from llmem_plugin.methods._local_step import LocalShardStep
 from llmem_plugin.methods._rank_tracker import RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
@@ -369,13 +370,14 @@ def _trace_fsdp_step(
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     host = [0]
+    local_step = LocalShardStep()  # the DTensor step's allocations, without its sharding propagation
 
     class Hooks(StepHooks):
         def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-            optimizer.step()
+            stepped = local_step(optimizer)
             if cpu_offload:
-                host[0] = _host_bytes(params, trainable, state_tensors(optimizer))
-            return optimizer
+                host[0] = _host_bytes(params, trainable, state_tensors(stepped))
+            return stepped
 
     trace = trace_step(
         model, workload, vocab_size=vocab_size, fake_mode=fake_mode, compute_capability=compute_capability,

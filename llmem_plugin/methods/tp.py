@@ -91,6 +91,7 @@ from llmem_plugin.methods._fakepg import (
     fake_process_group,
     isolated_sharding_propagation,
 )
+from llmem_plugin.methods._local_step import LocalShardStep
 from llmem_plugin.methods._rank_tracker import Collective, RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
@@ -315,12 +316,16 @@ def _trace_rank(
     """
     tracker = RankTracker(fake_mode)
     num_micro = workload.grad_accum_steps
+    local_step = LocalShardStep()  # the DTensor step's allocations, without its sharding propagation
 
     class Hooks(StepHooks):
         def begin_micro(self, iteration: int, micro: int) -> None:
             tracker.record_collectives = iteration == NUM_ITERATIONS - 1
             if grad_sync:
                 model.set_requires_gradient_sync(micro == num_micro - 1)
+
+        def step(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            return local_step(optimizer)
 
     contexts = [isolated_sharding_propagation(), _no_view_warnings()]
     if grad_sync:  # FSDP2 frees and re-allocates by resizing storages; see fsdp.fsdp_instrumented

@@ -25,7 +25,7 @@ import torch
 from llmem_plugin import modelbuild
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import get_gpu
-from llmem_plugin.methods import fsdp
+from llmem_plugin.methods import _local_step, fsdp
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.tracker import MemoryCategory as C
 from llmem_plugin.tracker import Phase, round_allocation
@@ -125,7 +125,8 @@ def test_first_optimizer_step_counts_no_unsharded_tensor(monkeypatch):
     """Shared FACTS, "DTensor pitfall": sharding propagation runs each op on
     fake tensors of the global shapes when DTensor's sharding cache misses
     (the first optimizer step). With a cold cache, the first step's peak must
-    equal the steady-state second step's."""
+    equal the steady-state second step's. The step runs on DTensors here, as
+    it does where the local-shard step does not apply (_local_step)."""
 
     def step_peaks(result):
         peaks, seen = [], None
@@ -138,6 +139,7 @@ def test_first_optimizer_step_counts_no_unsharded_tensor(monkeypatch):
         return peaks
 
     cfg = tiny_config("llama")
+    monkeypatch.setattr(_local_step, "_eligible", lambda optimizer: False)
     torch._C._clear_DTensor_sharding_propagator_cache()
     first, second = step_peaks(trace(cfg, layout=Layout(num_gpus=4)).trace)
     assert first == second
@@ -251,7 +253,7 @@ _WORKER = textwrap.dedent("""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
     from llmem_plugin import _pause, modelbuild
     from llmem_plugin.gpus import get_gpu
-    from llmem_plugin.methods import fsdp
+    from llmem_plugin.methods import _local_step, fsdp
     from llmem_plugin.workload import LoraSpec, Workload
     from tests.conftest import tiny_config
 
