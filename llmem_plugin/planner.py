@@ -5,22 +5,22 @@ each tensor-parallel degree that divides a node and the model, CPU offload,
 gradient checkpointing on and off, and each micro-batch that divides the
 per-rank share of the global batch (gradient accumulation fills the rest).
 
-The cost of searching it is bounded by traces, not candidates:
+The cost of searching it is bounded by traces, not candidates
+(docs/planner.md):
 
-1. **Profile** (:func:`_profile`): the single-GPU step, traced in fast mode at
-   micro-batch 1 and 2 with checkpointing off and on. It gives each phase's
-   allocated peak (activations grow linearly with the micro-batch) and the
-   FLOPs of a micro-step (:class:`llmem_plugin.cost.StepFlopCounter`).
-2. **Method base** (:func:`_screen_config`): each (method, TP degree,
-   offload) traced once in fast mode at micro-batch 1 without
-   checkpointing (tensor-parallel ones also at micro-batch 2 and with
-   checkpointing, since TP shards activations and repeats collectives when
-   recomputing). The model states, buffers and communication are the
-   method's own; the activation difference between this base and any other
-   (micro-batch, checkpointing) is the profile's, phase by phase (forward and
-   backward: activations do not live in the optimizer step).
-3. **Screen**: every candidate's per-GPU device total and step time
-   (:mod:`llmem_plugin.cost`) from those two.
+1. **Profile** (:func:`_profile_point`): the single-GPU step in fast mode at
+   micro-batch 1 and 2, with checkpointing off and on: each phase's allocated
+   peak (activations grow linearly with the micro-batch) and the FLOPs of a
+   micro-step (:class:`llmem_plugin.cost.StepFlopCounter`).
+2. **Method bases** (:func:`_screen_all`): each (method, TP degree) in the
+   methods' fast mode at micro-batch 1, with checkpointing off and on, plus
+   one micro-batch-2 run per tensor-parallel plan and degree (the share of
+   the activations and of their collectives a TP rank holds). Model states,
+   buffers and communication are the method's own.
+3. **Screen**: each candidate's allocated peak is its base's, phase by
+   phase, plus the profile's growth of the forward-phase peak with the
+   micro-batch (times the TP share); its step time comes from
+   :mod:`llmem_plugin.cost`.
 4. **Verify**: the fastest candidate under the limit is traced in full with
    its exact micro-batch, accumulation and checkpointing (the estimate
    ``llmem estimate --method`` gives). If it does not fit, the next is
@@ -232,8 +232,9 @@ class Plan:
         skipped: (method, reason) for methods that cannot run here.
         suggestions: When nothing fits, changes that make it fit.
         seconds: Wall time of the planning.
-        timings: Seconds by stage: "profile", "screen", "verify" (and
-            "suggest" when nothing fits).
+        timings: Seconds by stage: "screen" (the profile and the methods'
+            fast-mode runs, over all cores), "verify" (full traces), and
+            "suggest" when nothing fits.
     """
 
     model: str
@@ -287,10 +288,13 @@ class Plan:
 
 @dataclass(frozen=True)
 class _Point:
-    """The single-GPU step at one (micro-batch, checkpointing)."""
+    """The single-GPU step at one (micro-batch, checkpointing): each phase's
+    allocated peak, the FLOPs of a micro-step, and the tensors the forward
+    leaves for backward (the tracker's activations at the forward peak)."""
 
     phase_allocated: dict[str, int]
     flops: FlopCount
+    activations: int = 0
 
 
 def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) -> _Point:
@@ -329,13 +333,20 @@ def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) ->
     if ext.short is None:
         sim = simulate_trace(ext.result, cfg, overheads, None)[0]
         per_flops = flops_of_step(flops[0], NUM_ITERATIONS, workload.grad_accum_steps)
-        return _Point(dict(sim.phase_allocated_bytes), per_flops)
+        return _Point(dict(sim.phase_allocated_bytes), per_flops, _forward_activations(ext.result))
     s1, s2 = (simulate_trace(r, cfg, overheads, None)[0] for r in (ext.short, ext.long))
     phases = {p: v + round(ext.scale * (s2.phase_allocated_bytes[p] - v))
               for p, v in s1.phase_allocated_bytes.items() if p in s2.phase_allocated_bytes}
     f1, f2 = (flops_of_step(f, NUM_ITERATIONS, workload.grad_accum_steps) for f in flops)
     return _Point(phases, FlopCount(forward=f1.forward + ext.scale * (f2.forward - f1.forward),
-                                    backward=f1.backward + ext.scale * (f2.backward - f1.backward)))
+                                    backward=f1.backward + ext.scale * (f2.backward - f1.backward)),
+                  _forward_activations(ext.result))
+
+
+def _forward_activations(result: Any) -> int:
+    from llmem_plugin.tracker import Phase
+
+    return result.phase_breakdowns.get(Phase.FORWARD, {}).get(MemoryCategory.ACTIVATION, 0)
 
 
 class _Profiles:
@@ -345,13 +356,21 @@ class _Profiles:
         self._model, self._workload, self._gpu, self._alloc_conf = model, workload, gpu, alloc_conf
         self._points: dict[tuple[int, bool], _Point] = {}
 
+    def compute(self, micro_batch: int, gc: bool) -> _Point:
+        wl = dataclasses.replace(self._workload, micro_batch_size=micro_batch, grad_accum_steps=1,
+                                 grad_checkpointing=gc)
+        return _profile_point(self._model, wl, self._gpu, self._alloc_conf)
+
+    def has(self, micro_batch: int, gc: bool) -> bool:
+        return (micro_batch, gc) in self._points
+
+    def put(self, micro_batch: int, gc: bool, point: _Point) -> None:
+        self._points[(micro_batch, gc)] = point
+
     def point(self, micro_batch: int, gc: bool) -> _Point:
-        key = (micro_batch, gc)
-        if key not in self._points:
-            wl = dataclasses.replace(self._workload, micro_batch_size=micro_batch, grad_accum_steps=1,
-                                     grad_checkpointing=gc)
-            self._points[key] = _profile_point(self._model, wl, self._gpu, self._alloc_conf)
-        return self._points[key]
+        if (micro_batch, gc) not in self._points:
+            self._points[(micro_batch, gc)] = self.compute(micro_batch, gc)
+        return self._points[(micro_batch, gc)]
 
     def phase(self, micro_batch: int, gc: bool, phase: str) -> float:
         """A phase's allocated peak at any micro-batch (affine in it)."""
@@ -374,11 +393,22 @@ class _Config:
 
 @dataclass
 class _Base:
-    """A method's fast-mode estimates, the anchor of its candidates."""
+    """A method's fast-mode estimates, the anchor of its candidates.
 
-    one: MethodEstimate  # micro-batch 1, no checkpointing
-    two: MethodEstimate | None = None  # micro-batch 2 (TP: its share of the activations and their collectives)
-    ckpt: MethodEstimate | None = None  # micro-batch 1, checkpointing
+    one: micro-batch 1, no checkpointing (the checkpointed run when only
+        checkpointing is searched).
+    ckpt: micro-batch 1, checkpointing.
+    tp_alloc_per_sample / tp_comm_per_sample: for TP methods, what one more
+        sequence adds to the forward-phase allocated peak and to the
+        (intra, inter)-node bytes per micro-step: the activation share a TP
+        rank holds and their collectives, measured between micro-batch 1 and
+        2 runs of the same TP plan and degree.
+    """
+
+    one: MethodEstimate
+    ckpt: MethodEstimate | None = None
+    tp_alloc_per_sample: float | None = None
+    tp_comm_per_sample: tuple[float, float] | None = None
 
 
 def _state_bytes_per_element(wl: Workload) -> int:
@@ -496,10 +526,9 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     # backward peak is no guide: with unsharded states it falls at the end of
     # backward, when every gradient is alive and most activations are gone.
     k = 1.0
-    if t.tp_family and base.two is not None:
-        d_method = base.two.worst.phase_allocated.get(_FWD, 0) - one.worst.phase_allocated.get(_FWD, 0)
+    if t.tp_family and base.tp_alloc_per_sample is not None:
         d_single = profiles.phase(2, False, _FWD) - profiles.phase(1, False, _FWD)
-        k = min(max(d_method / d_single, 1.0 / cfg.tp), 1.0) if d_single > 0 else 1.0 / cfg.tp
+        k = min(max(base.tp_alloc_per_sample / d_single, 1.0 / cfg.tp), 1.0) if d_single > 0 else 1.0 / cfg.tp
     d = k * (profiles.phase(mb, gc, _FWD) - profiles.phase(1, gc, _FWD))
     deltas = {_FWD: d, _BWD: d}
     if accum > 1:
@@ -518,9 +547,8 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     # (measured: the checkpointed base's volume over the plain one's).
     intra1, inter1 = anchor.comm_intra_node_bytes, anchor.comm_inter_node_bytes
     act_intra = act_inter = 0.0
-    if t.tp_family and base.two is not None:
-        act_intra = base.two.comm_intra_node_bytes - one.comm_intra_node_bytes
-        act_inter = base.two.comm_inter_node_bytes - one.comm_inter_node_bytes
+    if t.tp_family and base.tp_comm_per_sample is not None:
+        act_intra, act_inter = base.tp_comm_per_sample
         if gc:
             act_intra += anchor.comm_intra_node_bytes - one.comm_intra_node_bytes
             act_inter += anchor.comm_inter_node_bytes - one.comm_inter_node_bytes
@@ -557,64 +585,175 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     )
 
 
-def _screen_config(ctx: _Context, cfg: _Config, profiles: _Profiles, gcs: list[bool],
-                   pinned_mb: int | None) -> list[Candidate]:
-    t = _TRAITS[cfg.method]
-    dp = ctx.layout.num_gpus // cfg.tp
-    if ctx.global_batch % dp:
-        raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
-    per_rank = ctx.global_batch // dp
-    mbs = _micro_batches(per_rank, pinned_mb)
-    if not mbs:
-        raise _BatchError(f"micro-batch {pinned_mb} does not divide the {per_rank} sequences per rank")
-    wl1 = dataclasses.replace(ctx.workload, micro_batch_size=1, grad_accum_steps=1, grad_checkpointing=False)
-    wl_gc = dataclasses.replace(wl1, grad_checkpointing=True)
-
-    def run(w: Workload) -> MethodEstimate:
-        return _registry_call(cfg, ctx.model, w, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True)
-
-    need_plain = False in gcs or t.tp_family  # TP measures its activation share without checkpointing
-    ckpt = run(wl_gc) if True in gcs else None
-    one = run(wl1) if need_plain else ckpt
-    base = _Base(one, ckpt=ckpt)
-    if t.tp_family:
-        base.two = run(dataclasses.replace(wl1, micro_batch_size=2))
-    return [_candidate(ctx, cfg, base, profiles, mb, gc, per_rank // mb) for gc in gcs for mb in mbs]
+# Methods sharing a tensor-parallel plan: their TP activations and collectives
+# are the same, so one micro-batch-2 run per (plan, degree) serves them all.
+_TP_PLAN = {"tp": "torchtitan", "dp-tp": "torchtitan", "fsdp-tp": "torchtitan", "hybrid": "shardformer",
+            "hybrid-zero1": "shardformer"}
 
 
 class _BatchError(ConfigError):
     """The global batch does not split over a configuration's ranks."""
 
 
-def _screen_one(args: tuple) -> list[Candidate] | LLMemError:
-    ctx, cfg, profiles, gcs, pinned = args
+def _micro_batch_plan(ctx: _Context, cfg: _Config, pinned: int | None) -> tuple[int, list[int]]:
+    dp = ctx.layout.num_gpus // cfg.tp
+    if ctx.global_batch % dp:
+        raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
+    per_rank = ctx.global_batch // dp
+    mbs = _micro_batches(per_rank, pinned)
+    if not mbs:
+        raise _BatchError(f"micro-batch {pinned} does not divide the {per_rank} sequences per rank")
+    return per_rank, mbs
+
+
+def _run_task(task: tuple) -> Any:
+    """One trace of the screen: a profile point or a method's fast-mode run.
+    Errors come back as values (they cross a process boundary)."""
+    kind = task[0]
     try:
-        return _screen_config(ctx, cfg, profiles, gcs, pinned)
-    except _BatchError as e:
-        return _BatchError(str(e))
+        if kind == "profile":
+            _, profiles, mb, gc = task
+            return profiles.compute(mb, gc)
+        _, ctx, cfg, wl = task
+        return _registry_call(cfg, ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True)
     except LLMemError as e:
         return ConfigError(str(e))
 
 
-def _screen_all(ctx: _Context, configs: list[_Config], profiles: _Profiles, gcs: list[bool],
-                pinned: int | None) -> list[tuple[_Config, Any]]:
-    """Screen every configuration, over the machine's cores when it has
-    several: each worker is a fork of this process (the traced profiles and
-    imported modules come with it) that traces its configurations' bases."""
-    import os
-
-    jobs = [(ctx, cfg, profiles, gcs, pinned) for cfg in configs]
-    workers = min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+def _map(tasks: list[tuple]) -> list[Any]:
+    """Run the tasks over the machine's cores: each worker is a fork of this
+    process (imported modules and built state come with it)."""
+    workers = min(len(tasks), _cores())
     if workers <= 1:
-        return [(cfg, _screen_one(job)) for cfg, job in zip(configs, jobs, strict=True)]
+        return [_run_task(t) for t in tasks]
     import multiprocessing
 
-    # Tensor-parallel bases take two traces: start them first.
-    order = sorted(range(len(jobs)), key=lambda i: not _TRAITS[configs[i].method].tp_family)
     with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
-        results = pool.map(_screen_one, [jobs[i] for i in order], chunksize=1)
-    by_index = dict(zip(order, results, strict=True))
-    return [(configs[i], by_index[i]) for i in range(len(configs))]
+        return pool.map(_run_task, tasks, chunksize=1)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class _Search:
+    """The traces behind the candidates, run on demand and kept.
+
+    A unit is a (configuration, checkpointing) pair: its candidates need the
+    method's fast-mode run at micro-batch 1 with that checkpointing (TP
+    methods also the plain run, and one micro-batch-2 run per TP plan and
+    degree). :meth:`expand` runs what a list of units still needs, over the
+    machine's cores, and builds their candidates.
+    """
+
+    def __init__(self, ctx: _Context, profiles: _Profiles, gcs: list[bool], pinned: int | None) -> None:
+        self.ctx, self.profiles, self.gcs, self.pinned = ctx, profiles, gcs, pinned
+        self.results: dict[tuple, Any] = {}
+        self.rep: dict[tuple[str, int], _Config] = {}
+        wl1 = dataclasses.replace(ctx.workload, micro_batch_size=1, grad_accum_steps=1, grad_checkpointing=False)
+        self._wl = {"one": wl1, "ckpt": dataclasses.replace(wl1, grad_checkpointing=True),
+                    "two": dataclasses.replace(wl1, micro_batch_size=2)}
+
+    def profile(self) -> None:
+        """The single-GPU profile points, traced in parallel."""
+        need = [(mb, g) for g in self.gcs for mb in (1, 2) if not self.profiles.has(mb, g)]
+        for (mb, g), value in zip(need, _map([("profile", self.profiles, mb, g) for mb, g in need]), strict=True):
+            if isinstance(value, LLMemError):
+                raise value  # the model's own step cannot be traced: nothing to plan
+            self.profiles.put(mb, g, value)
+
+    def _needs(self, cfg: _Config, gc: bool) -> list[tuple[str, _Config]]:
+        t = _TRAITS[cfg.method]
+        keys = []
+        if not gc or t.tp_family:
+            keys.append(("one", cfg))
+        if gc:
+            keys.append(("ckpt", cfg))
+        if t.tp_family:
+            r = self.rep.setdefault((_TP_PLAN[cfg.method], cfg.tp), cfg)
+            keys += [("one", r), ("two", r)]
+        return keys
+
+    def expand(self, units: list[tuple[_Config, bool]]) -> list[tuple[tuple[_Config, bool], Any]]:
+        todo = list(dict.fromkeys(k for u in units for k in self._needs(*u) if k not in self.results))
+        todo.sort(key=lambda k: not _TRAITS[k[1].method].tp_family)  # slowest first
+        tasks = [("run", self.ctx, cfg, self._wl[kind]) for kind, cfg in todo]
+        self.results.update(zip(todo, _map(tasks), strict=True))
+        return [(u, self._build(*u)) for u in units]
+
+    def _build(self, cfg: _Config, gc: bool) -> Any:
+        t = _TRAITS[cfg.method]
+        got = {k: self.results[(k, c)] for k, c in self._needs(cfg, gc)}
+        err = next((v for v in got.values() if isinstance(v, LLMemError)), None)
+        if err is not None:
+            return err
+        one = self.results.get(("one", cfg))
+        base = _Base(one if one is not None else self.results[("ckpt", cfg)], ckpt=self.results.get(("ckpt", cfg)))
+        if t.tp_family:
+            r = self.rep[(_TP_PLAN[cfg.method], cfg.tp)]
+            r_one, r_two = self.results[("one", r)], self.results[("two", r)]
+            base.tp_alloc_per_sample = (r_two.worst.phase_allocated.get(_FWD, 0)
+                                        - r_one.worst.phase_allocated.get(_FWD, 0))
+            base.tp_comm_per_sample = (r_two.comm_intra_node_bytes - r_one.comm_intra_node_bytes,
+                                       r_two.comm_inter_node_bytes - r_one.comm_inter_node_bytes)
+        per_rank, mbs = _micro_batch_plan(self.ctx, cfg, self.pinned)
+        return [_candidate(self.ctx, cfg, base, self.profiles, mb, gc, per_rank // mb) for mb in mbs]
+
+
+def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> int:
+    """Bytes every candidate of (cfg, gc) holds at least: the parameter and
+    optimizer-state shards (:func:`_lower_bound`), the CUDA context, and the
+    forward's saved tensors at micro-batch 1 (the single-GPU profile's,
+    less the 16-bit weight copies autocast saves there, which engines that
+    keep 16-bit parameters do not make; a TP rank holds at least 1/tp)."""
+    from llmem_plugin.overheads import CUDA_CONTEXT_BYTES
+
+    acts = profiles.point(1, gc).activations
+    if ctx.workload.precision.autocast_dtype is not None:
+        acts -= 2 * ctx.params
+    tp = cfg.tp if _TRAITS[cfg.method].tp_family else 1
+    return (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
+            + max(acts, 0) // tp)
+
+
+def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> float:
+    """A lower bound of the step time of every candidate of (cfg, gc) under
+    the model, before tracing it: the compute (the same per GPU for every
+    method: the global batch's FLOPs over the GPUs), the optimizer and
+    offload terms (known from the model's size), and the gradient reduction
+    every data-parallel rank must send (at least a reduce-scatter of its
+    trainable shard in 16 bits) plus, for TP, the two all-reduces per
+    block of Megatron-style TP in forward and again in backward, for
+    methods that hide no communication."""
+    t = _TRAITS[cfg.method]
+    dp = ctx.layout.num_gpus // cfg.tp
+    per_rank = ctx.global_batch // dp
+    flops = profiles.flops(1, gc).scaled(per_rank / cfg.tp)  # one micro-step of the whole share
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    elems = ctx.trainable // _shard(t.state_shard, ctx.layout, cfg.tp)
+    pcie = 2 * es * elems if t.offload else 0
+    if t.offload == "params":
+        pcie += 2 * es * ctx.params // _shard("dp", ctx.layout, cfg.tp)
+    comm_intra = comm_cross = 0.0
+    if t.overlap is Overlap.NONE:
+        grads = (dp - 1) / dp * 2 * ctx.trainable / cfg.tp
+        if ctx.layout.num_nodes > 1:
+            comm_cross = grads
+        else:
+            comm_intra = grads
+        if t.tp_family:
+            c = ctx.config
+            layers = modelbuild.num_layers(c)
+            tp_bytes = 4 * layers * per_rank * ctx.workload.seq_len * c.hidden_size * es
+            comm_intra += (1.5 if gc else 1.0) * tp_bytes * 2 * (cfg.tp - 1) / cfg.tp
+    work = StepWork(flops=flops, micro_steps=1, intra_only_bytes=round(comm_intra), cross_node_bytes=round(comm_cross),
+                    overlap=Overlap.NONE, optimizer_elements=0 if t.offload else elems,
+                    host_optimizer_elements=elems if t.offload else 0, pcie_bytes=pcie,
+                    gpus_per_node=ctx.layout.gpus_per_node)
+    return step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
+                     network=ctx.network, efficiency=ctx.efficiency).total_s
 
 
 def _quiet_worker() -> None:
@@ -718,6 +857,7 @@ def plan(
     verify: bool = True,
     max_verify: int = 6,
     suggest: bool = True,
+    prune: bool = True,
     _profiles: dict | None = None,
 ) -> Plan:
     """Search the methods for ``model`` on ``num_gpus`` GPUs and pick the fastest that fits.
@@ -742,6 +882,9 @@ def plan(
         verify: Trace the choice in full before returning it.
         max_verify: Candidates to trace in full before giving up.
         suggest: When nothing fits, search for changes that make it fit.
+        prune: Skip tracing a (method, checkpointing) whose step-time lower
+            bound cannot beat the fastest fitting candidate found so far;
+            off, every candidate is screened (the full table).
 
     Returns:
         The :class:`Plan`.
@@ -787,53 +930,103 @@ def plan(
             skipped.append((_cfg_label(cfg), why))
         else:
             todo.append(cfg)
-    t_profile = time.perf_counter()
-    for g in gcs:  # traced here, so that screening workers inherit them
-        profiles.point(1, g), profiles.point(2, g)
     t_screen = time.perf_counter()
-    candidates: list[Candidate] = []
-    batch_errors = []
-    for cfg, out in _screen_all(ctx, todo, profiles, gcs, micro_batch):
-        if isinstance(out, LLMemError):
-            skipped.append((_cfg_label(cfg), str(out).split(". HINT")[0]))
-            if isinstance(out, _BatchError):
-                batch_errors.append(str(out))
-        else:
-            candidates += out
-    if not candidates and todo and len(batch_errors) == len(todo):
+    search = _Search(ctx, profiles, gcs, micro_batch)
+    search.profile()
+    units, batch_errors = [], []
+    for cfg in todo:
+        try:
+            _micro_batch_plan(ctx, cfg, micro_batch)
+        except _BatchError as e:
+            skipped.append((_cfg_label(cfg), str(e)))
+            batch_errors.append(str(e))
+            continue
+        for g in gcs:
+            need = _memory_bound(ctx, cfg, g, profiles)
+            if need > limit:
+                why = (f"needs at least {need / _GIB:.1f} GiB (states, context and the forward's saved "
+                       f"tensors at micro-batch 1) of the {limit / _GIB:.1f} GiB limit")
+                skipped.append((_cfg_label(cfg) + (" +ckpt" if g else ""), why))
+            else:
+                units.append((cfg, g))
+    if todo and len(batch_errors) == len(todo):
         raise ConfigError(f"{batch_errors[0]}. HINT: pass a --global-batch that is a multiple of the GPU count"
                           + (" and a --micro-batch that divides it" if micro_batch else ""))
-    # Fastest first; on a tie (the compute term dominates and the rest is
-    # hidden), the one that communicates less, then the one with more headroom.
-    candidates.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.time.comm_s, c.device_total_bytes))
+    bound = {u: _time_bound(ctx, u[0], u[1], profiles) for u in units}
+    units.sort(key=bound.__getitem__)
+    pending = list(units)
+    candidates: list[Candidate] = []
+    rejected: set[int] = set()  # verified and found not to fit
+    failed: dict[str, str] = {}
 
-    t_verify = time.perf_counter()
+    def best_time() -> float:
+        return min((c.step_time_s for c in candidates if c.fits and id(c) not in rejected), default=float("inf"))
+
+    def screen() -> None:
+        # Branch and bound: trace units in order of their time bound, while
+        # one could still beat the fastest fitting candidate screened so far.
+        while True:
+            limit_s = best_time() if prune else float("inf")
+            ready = [u for u in pending if bound[u] < limit_s * (1 - 1e-9)]
+            if not ready:
+                return
+            batch = ready[: max(_cores(), 1)]
+            for u, out in search.expand(batch):
+                pending.remove(u)
+                if isinstance(out, LLMemError):
+                    failed.setdefault(_cfg_label(u[0]), str(out).split(". HINT")[0])
+                else:
+                    candidates.extend(out)
+
+    def order() -> None:
+        # Fastest first; on a tie (the compute term dominates and the rest is
+        # hidden), the one that communicates less, then the one with more headroom.
+        candidates.sort(key=lambda c: (-round(c.tokens_per_s, 6), c.time.comm_s, c.device_total_bytes))
+
+    screen()
+    order()
+    verify_s = 0.0
     choice = None
-    if verify:
-        tried = 0
-        for i, c in enumerate(candidates):
-            if not c.fits or tried >= max_verify:
-                continue
-            tried += 1
-            try:
-                v = _verify(ctx, c)
-            except LLMemError as e:
-                skipped.append((c.label(), str(e).split(". HINT")[0]))
-                candidates[i] = dataclasses.replace(c, fits=False)
-                continue
-            candidates[i] = v
-            if v.fits:
-                choice = v
-                break
-    else:
-        choice = next((c for c in candidates if c.fits), None)
+    tried = 0
+    while True:
+        nxt = next((i for i, c in enumerate(candidates) if c.fits and id(c) not in rejected and not c.verified),
+                   None)
+        if nxt is None:
+            break
+        c = candidates[nxt]
+        if not verify:
+            choice = c
+            break
+        if tried >= max_verify:
+            break
+        tried += 1
+        t = time.perf_counter()
+        try:
+            v = _verify(ctx, c)
+        except LLMemError as e:
+            v = dataclasses.replace(c, fits=False, verified=True)
+            failed.setdefault(c.label(), str(e).split(". HINT")[0])
+        verify_s += time.perf_counter() - t
+        candidates[nxt] = v
+        if v.fits:
+            choice = v
+            break
+        rejected.add(id(v))
+        screen()  # units pruned against the rejected one may now be needed
+        order()
+    skipped += list(failed.items())
+    if pending:
+        floor = choice.step_time_s if choice is not None else best_time()
+        for cfg, g in pending:
+            skipped.append((_cfg_label(cfg) + (" +ckpt" if g else ""),
+                            f"cannot beat {floor:.3g} s per step (at least {bound[(cfg, g)]:.3g} s under the model)"))
     runner = None
     if choice is not None:
         runner = next((c for c in candidates if c.fits and c is not choice
                        and (c.method, c.tp) != (choice.method, choice.tp)), None)
     why = _why(choice, runner) if choice is not None else ""
     t_end = time.perf_counter()
-    timings = {"profile": t_screen - t_profile, "screen": t_verify - t_screen, "verify": t_end - t_verify}
+    timings = {"screen": t_end - t_screen - verify_s, "verify": verify_s}
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
                   capacity_bytes=target.capacity_bytes, margin=margin, candidates=candidates, choice=choice,
                   runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings)

@@ -120,9 +120,14 @@ def test_nothing_fits_raises_with_the_report_and_suggestions_that_fit():
 
 
 def test_single_gpu_plans_the_plain_step_and_offload():
-    p = plan(small(), gpu="h100-sxm", num_gpus=1, workload=WL, global_batch=2)
+    p = plan(small(), gpu="h100-sxm", num_gpus=1, workload=WL, global_batch=2, prune=False)
     assert {c.method for c in p.candidates} == {"single", "zero2-offload", "zero3-offload", "fsdp-offload"}
     assert p.choice.method == "single"  # no communication, no PCIe traffic
+    # Pruned, the offload methods are not even traced: their PCIe time alone loses.
+    quick = plan(small(), gpu="h100-sxm", num_gpus=1, workload=WL, global_batch=2)
+    assert quick.choice.key == p.choice.key
+    assert {c.method for c in quick.candidates} == {"single"}
+    assert any(name.startswith("zero3-offload") and "cannot beat" in why for name, why in quick.skipped)
 
 
 @pytest.mark.parametrize(("kw", "fragment"), [
@@ -143,3 +148,36 @@ def test_every_planner_method_maps_to_a_registered_one():
 
     for m in planner_methods():
         assert _VARIANTS.get(m, (m, {}))[0] in method_names()
+
+
+def test_pruning_skips_only_what_cannot_win():
+    """The time bound of a (method, checkpointing) is below every one of its
+    candidates' step times, so pruning by it keeps the same choice."""
+    kw = {"gpu": "h100-sxm", "num_gpus": 4, "workload": WL, "gpu_memory": int(1.5 * GIB), "global_batch": 8,
+          "methods": ["ddp", "zero2", "zero3", "fsdp", "dp-tp", "zero3-offload"]}
+    full = plan(small(), prune=False, **kw)
+    pruned = plan(small(), **kw)
+    assert pruned.choice.step_time_s == pytest.approx(full.choice.step_time_s)
+    assert pruned.choice.key == full.choice.key
+    assert len(pruned.candidates) <= len(full.candidates)
+    # Rebuild the planner's context to evaluate the bounds themselves.
+    import llmem_plugin.planner as planner
+
+    seen = []
+    original = planner._time_bound
+
+    def spy(ctx, cfg, gc, profiles):
+        value = original(ctx, cfg, gc, profiles)
+        seen.append((cfg.method, cfg.tp, gc, value))
+        return value
+
+    planner._time_bound = spy
+    try:
+        again = plan(small(), prune=False, **kw)
+    finally:
+        planner._time_bound = original
+    assert seen
+    for method, tp, gc, value in seen:
+        times = [c.step_time_s for c in again.candidates
+                 if (c.method, c.tp, c.grad_checkpointing) == (method, tp, gc)]
+        assert all(t >= value * (1 - 1e-9) for t in times), (method, tp, gc)
