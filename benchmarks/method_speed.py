@@ -13,12 +13,8 @@ estimates.
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -35,7 +31,6 @@ CASES = [
 
 def _one(case: dict) -> dict:
     import torch  # noqa: F401  (imported before timing, as any caller has it)
-
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
     from llmem_plugin.workload import Workload
@@ -56,38 +51,11 @@ def _one(case: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--case":
-        print(json.dumps(_one(json.loads(sys.argv[2]))))
-        return
-    import torch
-    import transformers
+    from _common import run_cases, write
 
-    rows = []
-    for case in CASES:
-        out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                             text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
-    date = dt.date.today().isoformat()
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=here).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "--", "../llmem_plugin"], capture_output=True, text=True,
-                      cwd=here).stdout.strip():
-        commit += "-dirty"  # the package differs from the commit
-    record = {
-        "date": date,
-        "commit": commit,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
-        "rows": rows,
-    }
-    path = sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--out" else os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", f"method-speed-{date}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print("wrote", path)
+    rows = run_cases(__file__, CASES, _one)
+    if rows is not None:
+        write("method-speed", {"rows": rows}, sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--out" else None)
 
 
 if __name__ == "__main__":

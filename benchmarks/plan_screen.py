@@ -13,22 +13,15 @@ and its sign, are known.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import os
-import platform
 import sys
 
 CASES = [
     {"model": "llama-3.1-8b", "num_gpus": 8, "num_nodes": 1, "global_batch": 16},
-    {"model": "qwen2.5-7b", "num_gpus": 16, "num_nodes": 2, "global_batch": 32},
 ]
 
 
 def main() -> None:
-    import torch
-    import transformers
-
     from llmem_plugin.errors import LLMemError, WontFitError
     from llmem_plugin.planner import _Config, _registry_call, plan
     from llmem_plugin.workload import Workload
@@ -37,7 +30,8 @@ def main() -> None:
     for case in CASES:
         try:
             p = plan(case["model"], gpu="h100-sxm", num_gpus=case["num_gpus"], num_nodes=case["num_nodes"],
-                     workload=Workload(seq_len=2048), global_batch=case["global_batch"], verify=False)
+                     workload=Workload(seq_len=2048), global_batch=case["global_batch"], verify=False,
+                     prune=False)
         except WontFitError as e:
             p = e.plan
         for c in p.candidates:
@@ -60,21 +54,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     errs = [r["error_pct"] for r in rows]
-    date = dt.date.today().isoformat()
-    record = {
-        "date": date,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
-        "summary": {"n": len(errs), "min_error_pct": min(errs), "max_error_pct": max(errs),
-                    "mean_abs_error_pct": round(sum(abs(e) for e in errs) / len(errs), 2),
-                    "under_estimates": sum(e < 0 for e in errs)},
-        "rows": rows,
-    }
-    path = os.path.join(os.path.dirname(__file__), "results", f"plan-screen-{date}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print("wrote", path, record["summary"])
+    from _common import write
+
+    write("plan-screen", {"summary": {"n": len(errs), "min_error_pct": min(errs), "max_error_pct": max(errs),
+                                      "mean_abs_error_pct": round(sum(abs(e) for e in errs) / len(errs), 2),
+                                      "under_estimates": sum(e < 0 for e in errs)},
+                          "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,13 +14,7 @@ method, on all cores), `verify` (the full trace of the choice).
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-import platform
 import resource
-import subprocess
-import sys
 import time
 
 CASES = [
@@ -51,30 +45,11 @@ def _one(case: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--case":
-        print(json.dumps(_one(json.loads(sys.argv[2]))))
-        return
-    import torch
-    import transformers
+    from _common import run_cases, write
 
-    rows = []
-    for case in CASES:
-        out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                             text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
-    date = dt.date.today().isoformat()
-    record = {
-        "date": date,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
-        "rows": rows,
-    }
-    path = os.path.join(os.path.dirname(__file__), "results", f"plan-speed-{date}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print("wrote", path)
+    rows = run_cases(__file__, CASES, _one)
+    if rows is not None:
+        write("plan-speed", {"rows": rows})
 
 
 if __name__ == "__main__":

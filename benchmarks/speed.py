@@ -14,13 +14,7 @@ first-call costs are reported separately as `cold_s`).
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-import platform
 import resource
-import subprocess
-import sys
 import time
 
 CASES = [
@@ -55,18 +49,11 @@ def _one(case: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--case":
-        print(json.dumps(_one(json.loads(sys.argv[2]))))
-        return
-    import torch
-    import transformers
+    from _common import run_cases, write
 
-    rows = []
-    for case in CASES:
-        out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                             text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
+    rows = run_cases(__file__, CASES, _one)
+    if rows is None:
+        return
     full = {(r["model"], r.get("grad_checkpointing", False)): r for r in rows if not r["fast"]}
     for r in rows:
         ref = full.get((r["model"], r.get("grad_checkpointing", False)))
@@ -74,18 +61,7 @@ def main() -> None:
             for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
                 name = key.removeprefix("peak_").removesuffix("_bytes")
                 r[f"fast_vs_full_{name}_pct"] = round(100 * (r[key] / ref[key] - 1), 5)
-    date = dt.date.today().isoformat()
-    record = {
-        "date": date,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
-        "rows": rows,
-    }
-    path = os.path.join(os.path.dirname(__file__), "results", f"speed-{date}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print("wrote", path)
+    write("speed", {"rows": rows})
 
 
 if __name__ == "__main__":

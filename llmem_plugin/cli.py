@@ -224,6 +224,8 @@ def _parser_plan(sub) -> None:
     p.add_argument("--inter-node-gbps", type=float, default=None,
                    help="network GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
     p.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="screen every candidate, also those whose step-time bound cannot win (the full table)")
     p.add_argument("--all", action="store_true", help="list every candidate")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -273,7 +275,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             global_batch=args.global_batch, margin=DEFAULT_MARGIN if args.margin is None else args.margin,
             methods=_csv(args.methods), tps=_csv(args.tp, int), micro_batch=args.micro_batch,
             grad_checkpointing=gc, gpu_memory=parse_memory(args.gpu_memory) if args.gpu_memory else None,
-            alloc_conf=args.alloc_conf, inter_node_gbps=args.inter_node_gbps, verify=not args.no_verify, **kw,
+            alloc_conf=args.alloc_conf, inter_node_gbps=args.inter_node_gbps, verify=not args.no_verify,
+            prune=not args.no_prune, **kw,
         ), 0
     except WontFitError as e:
         result, code = e.plan, EXIT_WONT_FIT

@@ -1025,6 +1025,9 @@ def plan(
         runner = next((c for c in candidates if c.fits and c is not choice
                        and (c.method, c.tp) != (choice.method, choice.tp)), None)
     why = _why(choice, runner) if choice is not None else ""
+    if choice is not None and pending:
+        why += (f"; {len(pending)} other (method, checkpointing) pairs were not traced: under the model none can "
+                f"beat it (their lower bounds start at {min(bound[u] for u in pending):.3g} s per step)")
     t_end = time.perf_counter()
     timings = {"screen": t_end - t_screen - verify_s, "verify": verify_s}
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,

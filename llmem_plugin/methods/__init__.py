@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from llmem_plugin.errors import ConfigError
+from llmem_plugin.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, RankMemory
 from llmem_plugin.methods.layout import Layout
 
@@ -72,6 +73,10 @@ def estimate_method(
         raise ConfigError(f"unknown method '{name}'; valid: {', '.join(reg)}. HINT: pass --method with one of them")
     mod, settings = reg[name]
     fn = importlib.import_module(f"llmem_plugin.methods.{mod}").estimate
+    if not isinstance(gpu, GPU):
+        from llmem_plugin.estimate import _resolve_gpu
+
+        gpu = _resolve_gpu(gpu, None)  # a catalog name (or None: the default GPU)
 
     def run(source: Any) -> MethodEstimate:
         return fn(source, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
@@ -82,9 +87,7 @@ def estimate_method(
     if mod == "single":
         return fn(model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, fast=True, **{**settings, **options})
-    from llmem_plugin.estimate import _resolve_gpu
-
-    return extrapolated(model, run, capacity_bytes=_resolve_gpu(gpu, None).capacity_bytes,
+    return extrapolated(model, run, capacity_bytes=gpu.capacity_bytes,
                         min_layers=_FAST_MIN_LAYERS.get(mod, 2))
 
 
