@@ -1065,6 +1065,11 @@ def _wont_fit_line(p: Plan) -> str:
         c = close[0]
         head += (f"; closest: {c.label()} needs {c.device_total_bytes / _GIB:.1f} GiB "
                  f"(+{100 * (c.device_total_bytes / p.limit_bytes - 1):.0f}%)")
+    unverified = sum(1 for c in p.candidates if c.fits and not c.verified)
+    if unverified:
+        traced = sum(1 for c in p.candidates if c.verified)
+        head += (f"; {traced} candidates the screen put under the limit were traced and did not fit, "
+                 f"{unverified} more were not traced (raise max_verify to try them)")
     if p.suggestions:
         head += "; to fit: " + "; ".join(s.change for s in p.suggestions)
     return head
