@@ -161,7 +161,7 @@ def test_pruning_skips_only_what_cannot_win():
     assert pruned.choice.key == full.choice.key
     assert len(pruned.candidates) <= len(full.candidates)
     # Rebuild the planner's context to evaluate the bounds themselves.
-    import llmem_plugin.planner as planner
+    from llmem_plugin import planner
 
     seen = []
     original = planner._time_bound
@@ -186,7 +186,7 @@ def test_pruning_skips_only_what_cannot_win():
 def test_the_memory_bound_is_below_every_full_trace():
     """A unit skipped for memory must really not fit: its bound is at most
     the full trace of its smallest candidate (micro-batch 1, one micro-step)."""
-    import llmem_plugin.planner as planner
+    from llmem_plugin import planner
 
     seen = []
     original = planner._memory_bound
