@@ -12,7 +12,11 @@ from llmem_plugin import modelbuild
 from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, replay
 from llmem_plugin.errors import ConfigError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
-from llmem_plugin.overheads import DeviceOverheads, device_overheads, workspace_allocations
+from llmem_plugin.overheads import (
+    DeviceOverheads,
+    device_overheads,
+    workspace_allocations,
+)
 from llmem_plugin.step import trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
@@ -165,7 +169,10 @@ def vocab_size_of(model: nn.Module) -> int:
     return int(emb.num_embeddings)
 
 
-def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None) -> TraceResult:
+def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, tracker: Any = None,
+           contexts: tuple = ()) -> TraceResult:
+    """The single-GPU step of ``model`` (made fake here) on ``gpu``; ``tracker``
+    and ``contexts`` as for :func:`trace_step` (e.g. a FLOP counter)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gpu = gpu or get_gpu(DEFAULT_GPU)
@@ -175,7 +182,7 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None) -> Trac
     with tracing(f"the training step of {type(model).__name__}"):
         return trace_step(
             model, workload, vocab_size=vocab, fake_mode=fake_mode,
-            compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
+            compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker, contexts=contexts,
         )
 
 

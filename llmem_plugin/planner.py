@@ -298,27 +298,19 @@ class _Point:
 
 
 def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) -> _Point:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from llmem_plugin.cost import StepFlopCounter
-    from llmem_plugin.errors import tracing
-    from llmem_plugin.estimate import simulate_trace, uses_cublaslt, vocab_size_of
+    from llmem_plugin.estimate import _trace, simulate_trace, uses_cublaslt
     from llmem_plugin.fast import extrapolated_trace
     from llmem_plugin.overheads import device_overheads
-    from llmem_plugin.step import NUM_ITERATIONS, trace_step
+    from llmem_plugin.step import NUM_ITERATIONS
     from llmem_plugin.tracker import MemoryTracker
 
     flops: list[dict[str, float]] = []
 
     def trace(m, w):
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        modelbuild.fakeify(m, fake_mode)
         tracker = MemoryTracker()
         counter = StepFlopCounter(tracker)
-        with tracing(f"the training step of {type(m).__name__}"):
-            result = trace_step(m, w, vocab_size=vocab_size_of(m), fake_mode=fake_mode,
-                                compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
-                                tracker=tracker, contexts=[counter])
+        result = _trace(m, w, gpu, tracker=tracker, contexts=(counter,))
         flops.append(dict(counter.by_phase))
         return result
 
