@@ -1022,6 +1022,8 @@ def plan(
                 f"beat it (their lower bounds start at {min(bound[u] for u in pending):.3g} s per step)")
     t_end = time.perf_counter()
     timings = {"screen": t_end - t_screen - verify_s, "verify": verify_s}
+    from llmem_plugin.estimate import _describe
+
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
                   capacity_bytes=target.capacity_bytes, margin=margin, candidates=candidates, choice=choice,
                   runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings)
@@ -1041,12 +1043,6 @@ def plan(
 
 def _cfg_label(cfg: _Config) -> str:
     return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
-
-
-def _describe(model: Any) -> str:
-    if isinstance(model, str):
-        return model
-    return getattr(model, "_name_or_path", None) or getattr(model, "model_type", None) or type(model).__name__
 
 
 def _wont_fit_line(p: Plan) -> str:
