@@ -1,0 +1,281 @@
+"""What every adapter shares, with no framework imported.
+
+* :func:`resolve_target`: the GPU to estimate for (given, or this process's CUDA device).
+* :func:`live_model`: the model a framework holds, unwrapped (DDP, DeepSpeed,
+  FSDP, Lightning), with its config, LoRA settings and parameter dtype.
+* :func:`batch_dims`: (batch, sequence length) of a training batch.
+* :func:`check`: estimate a fixed method on the live model, against a margin.
+* :func:`choose`: plan over the methods the framework can run.
+* :func:`report_text`: the memory report as text, for exceptions and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.gpus import GPU, get_gpu, match_device_name, parse_memory
+from llmem_plugin.verify import Prediction
+from llmem_plugin.workload import LoraSpec, Precision, Workload
+
+__all__ = ["Check", "LiveModel", "batch_dims", "check", "choose", "live_model", "precision_of", "report_text",
+           "resolve_target"]
+
+
+def resolve_target(gpu: GPU | str | None, gpu_memory: int | str | None) -> tuple[GPU, int | None]:
+    """The GPU to estimate for and its capacity override.
+
+    Args:
+        gpu: A catalog GPU or name; None: this process's CUDA device, matched
+            to the catalog by its name, with the capacity the driver reports.
+        gpu_memory: Capacity in bytes or as text (``"75GiB"``); overrides the
+            catalog's.
+
+    Raises:
+        ConfigError: No GPU given and no CUDA device, or a device that is not
+            in the catalog.
+    """
+    memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if gpu is not None:
+        return (gpu if isinstance(gpu, GPU) else get_gpu(gpu)), memory
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA device in this process and no gpu given. HINT: pass gpu='h100-sxm' "
+                          "(any name `llmem gpus` lists) to estimate for that GPU")
+    index = torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    found = match_device_name(name)
+    if found is None:
+        raise ConfigError(f"GPU '{name}' is not in the catalog. HINT: pass gpu= with the closest entry of "
+                          "`llmem gpus`, and gpu_memory= with its capacity")
+    if memory is None:
+        memory = int(torch.cuda.mem_get_info(index)[1])  # what this device really has
+    return found, memory
+
+
+@dataclass(frozen=True)
+class LiveModel:
+    """A framework's model, seen by the estimator.
+
+    Attributes:
+        module: The trainable module, unwrapped from DDP/FSDP/DeepSpeed (a
+            peft model stays a peft model: its adapters are part of it).
+        config: Its transformers config, or None for a plain module.
+        lora: LoRA settings when ``module`` is a peft LoRA model.
+        param_dtype: Dtype of its floating-point parameters.
+        name: A short description for reports and rows.
+    """
+
+    module: nn.Module
+    config: Any
+    lora: LoraSpec | None
+    param_dtype: torch.dtype
+    name: str
+
+    def config_dict(self) -> dict[str, Any] | None:
+        return None if self.config is None else self.config.to_dict()
+
+    def plan_source(self) -> Any:
+        """The source the planner builds from (it varies depth and layout, so it
+        needs a config rather than one live module)."""
+        if self.config is None:
+            raise ConfigError(f"{self.name} has no transformers config, so it cannot be planned over methods. "
+                              "HINT: pin the method (estimate the fixed configuration) or use a transformers model")
+        return self.config
+
+
+_WRAPPERS = ("module", "_forward_module", "model")
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """Strip DDP/DeepSpeed/FSDP1/Lightning wrappers (each keeps the wrapped module as ``.module``)."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        cls = type(model).__name__
+        if cls in ("DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel", "DataParallel",
+                   "_LightningModuleWrapperBase", "_FabricModule") and isinstance(getattr(model, "module", None),
+                                                                                     nn.Module):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def live_model(model: nn.Module) -> LiveModel:
+    """Describe ``model`` for the estimator (its storage is never read or copied).
+
+    A LightningModule or any plain module holding one transformers model is
+    searched for it; the module itself is used when it holds none.
+    """
+    module = _inner(model)
+    hf = module
+    if getattr(module, "config", None) is None or not hasattr(module.config, "to_dict"):
+        found = [m for m in module.modules() if m is not module and hasattr(getattr(m, "config", None), "to_dict")
+                 and hasattr(m, "get_input_embeddings")]
+        hf = found[0] if found else module
+    config = getattr(hf, "config", None)
+    config = config if hasattr(config, "to_dict") else None
+    lora = None
+    peft_config = getattr(hf, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        pc = next(iter(peft_config.values()))
+        if type(pc).__name__ == "LoraConfig":
+            targets = pc.target_modules
+            targets = ("all-linear",) if targets == "all-linear" else tuple(sorted(targets or ()))
+            lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
+                            target_modules=targets or LoraSpec().target_modules)
+        config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
+    floats = [p.dtype for p in hf.parameters() if p.is_floating_point()]
+    dtype = max(set(floats), key=floats.count) if floats else torch.float32
+    name = getattr(config, "name_or_path", "") or ""
+    name = name or (f"{getattr(config, 'model_type', '')}" if config is not None else type(hf).__name__)
+    return LiveModel(module=hf, config=config, lora=lora, param_dtype=dtype, name=name or type(hf).__name__)
+
+
+def batch_dims(batch: Any) -> tuple[int, int] | None:
+    """(batch, sequence length) of a training batch: ``input_ids`` (or
+    ``inputs_embeds``/``labels``) of a mapping, the first 2-D tensor of a
+    sequence, or a 2-D tensor. None when the batch has no such tensor."""
+    if isinstance(batch, torch.Tensor):
+        return (int(batch.shape[0]), int(batch.shape[1])) if batch.dim() >= 2 else None
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        for key in ("input_ids", "inputs_embeds", "labels"):
+            t = batch.get(key) if hasattr(batch, "get") else None
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                return int(t.shape[0]), int(t.shape[1])
+        return None
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            dims = batch_dims(item)
+            if dims is not None:
+                return dims
+    return None
+
+
+def precision_of(param_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> Precision:
+    """The workload precision of parameters in ``param_dtype`` under a trainer's
+    bf16/fp16 switches (autocast over fp32 weights is mixed; bf16 weights are
+    pure bf16 with or without autocast).
+
+    Raises:
+        ConfigError: Half-precision weights trained in fp16, which the
+            estimator does not model (GradScaler refuses fp16 gradients).
+    """
+    if param_dtype == torch.bfloat16:
+        return Precision.BF16
+    if param_dtype == torch.float16:
+        raise ConfigError("the model's parameters are float16; fp16 training needs fp32 master weights "
+                          "(torch.amp.GradScaler refuses fp16 gradients). HINT: load the model in float32 "
+                          "and train with fp16=True, or load it in bfloat16")
+    if bf16:
+        return Precision.BF16_MIXED
+    if fp16:
+        return Precision.FP16_MIXED
+    return Precision.FP32
+
+
+@dataclass(frozen=True)
+class Check:
+    """A fixed configuration's estimate against the GPU.
+
+    Attributes:
+        fits: Device total within the capacity less the margin (and the
+            allocator replay under the capacity did not run out).
+        limit_bytes: ``capacity * (1 - margin)``.
+        capacity_bytes: The GPU's capacity.
+        prediction: Per-GPU numbers, to compare with the run.
+        estimate: The :class:`~llmem_plugin.estimate.Estimate` or
+            :class:`~llmem_plugin.methods.base.MethodEstimate`.
+        report: The memory report, as text.
+    """
+
+    fits: bool
+    limit_bytes: int
+    capacity_bytes: int
+    prediction: Prediction
+    estimate: Any
+    report: str
+
+    def message(self) -> str:
+        """One line: what was estimated against what the GPU holds."""
+        p = self.prediction
+        where = "single GPU" if p.method == "single" else f"{p.method} on {p.num_gpus} GPUs"
+        verdict = "fits" if self.fits else "does not fit"
+        return (f"{where}: {p.device_total_bytes / 2**30:.2f} GiB per GPU at the peak {verdict} "
+                f"{p.gpu} ({self.limit_bytes / 2**30:.2f} GiB usable of {self.capacity_bytes / 2**30:.2f} GiB)")
+
+
+def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gpus: int = 1, num_nodes: int = 1,
+          tp: int = 1, gpu: GPU, gpu_memory: int | None = None, margin: float = 0.05,
+          options: dict[str, Any] | None = None) -> Check:
+    """Estimate ``live`` run with ``method`` and compare with ``gpu``.
+
+    The live module is traced (a structure copy on the meta device), so
+    adapters, custom heads and the model's own settings are what is
+    estimated; ``workload.lora`` must be None when ``live`` already holds
+    its LoRA adapters.
+    """
+    from llmem_plugin.estimate import estimate
+    from llmem_plugin.methods import estimate_method
+    from llmem_plugin.methods.layout import Layout
+
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. margin=0.05 keeps 5% free")
+    if live.lora is not None and workload.lora is not None:
+        workload = dataclasses.replace(workload, lora=None)
+    capacity = gpu_memory if gpu_memory is not None else gpu.capacity_bytes
+    target = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None) if gpu_memory else gpu
+    limit = int(capacity * (1 - margin))
+    if method == "single" and num_gpus == 1:
+        est = estimate(live.module, workload, gpu=target)
+        pred = Prediction.of(est, workload=workload, model=live.name, config=live.config_dict())
+        fits = bool(est.fits) and est.device_total_bytes <= limit
+    else:
+        layout = Layout(num_gpus=num_gpus, num_nodes=num_nodes, tp=tp)
+        est = estimate_method(method, live.module, workload, layout=layout, gpu=target, **(options or {}))
+        pred = dataclasses.replace(Prediction.of(est, workload=workload, model=live.name,
+                                                 config=live.config_dict()), gpu=gpu.name)
+        fits = all(r.fits for r in est.ranks) and est.worst.device_total_bytes <= limit
+    return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
+                 report=report_text(est, gpu=target))
+
+
+def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | None, num_gpus: int,
+           num_nodes: int = 1, margin: float = 0.05, methods: list[str] | None = None,
+           global_batch: int | None = None, micro_batch: int | None = None,
+           grad_checkpointing: bool | None = None, tps: list[int] | None = None) -> Any:
+    """Plan ``live`` over ``methods``; the :class:`~llmem_plugin.planner.Plan`.
+
+    Raises:
+        WontFitError: Nothing fits (carries the plan and its suggestions).
+    """
+    from llmem_plugin.planner import plan
+
+    if live.lora is not None:
+        workload = dataclasses.replace(workload, lora=live.lora)
+    return plan(live.plan_source(), gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes,
+                workload=workload, global_batch=global_batch, margin=margin, methods=methods, tps=tps,
+                micro_batch=micro_batch, grad_checkpointing=grad_checkpointing)
+
+
+def report_text(obj: Any, *, gpu: GPU | None = None, width: int = 110) -> str:
+    """The memory report of an estimate, method estimate or plan, as plain text."""
+    from rich.console import Console
+
+    from llmem_plugin import report
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None, highlight=False)
+    if hasattr(obj, "candidates"):
+        report.render_plan(obj, console)
+    elif hasattr(obj, "ranks"):
+        report.render_methods([obj], [], gpu, console)
+    else:
+        report.render_estimate(obj, console)
+    return buf.getvalue().rstrip()
