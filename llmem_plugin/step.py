@@ -19,7 +19,7 @@ from torch import nn
 from llmem_plugin import _pause
 from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, autocast_region, cuda_emulation
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
-from llmem_plugin.workload import OptimizerKind, Workload
+from llmem_plugin.workload import OptimizerKind, Runner, Workload
 
 __all__ = ["NUM_ITERATIONS", "StepHooks", "host_resident_state", "make_optimizer", "state_tensors", "trace_step"]
 
@@ -28,6 +28,19 @@ NUM_ITERATIONS = 2
 # Learning rate and weight decay do not change memory; these are HF Trainer's
 # defaults (TrainingArguments.learning_rate=5e-5), with AdamW's own decay.
 _LR = 5e-5
+
+
+# TrainingArguments.max_grad_norm default (transformers training_args.py).
+_HF_MAX_GRAD_NORM = 1.0
+
+
+def _outputs_to_fp32(out):
+    """accelerate's ``convert_to_fp32`` on a model output: every fp16/bf16
+    tensor becomes a new fp32 tensor (``tensor.float()``), in a new output of
+    the same type; the half-precision originals are released with the old one."""
+    converted = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
+                 for k, v in out.items()}
+    return type(out)(**converted)
 
 
 def make_optimizer(params: Iterable[nn.Parameter], kind: OptimizerKind) -> torch.optim.Optimizer:
@@ -151,6 +164,9 @@ def trace_step(
     optimizer = make_optimizer(trainable, workload.optimizer)
     autocast_dtype = workload.precision.autocast_dtype if autocast else None
     held = MemoryCategory.HOST if offload else None
+    # HF Trainer's additions run where its own loop runs them: around the
+    # plain and DDP steps (engines with their own step clip and cast themselves).
+    hf = workload.runner is Runner.HF_TRAINER and hooks is None
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
         for ctx in contexts:
@@ -179,10 +195,19 @@ def trace_step(
                     # As HF Trainer's compute_loss: forward and loss inside
                     # autocast, backward outside (the autocast weight-cast
                     # cache is freed when the region exits).
-                    with autocast_region(autocast_dtype):
-                        out = model(input_ids=input_ids, labels=labels, use_cache=False)
-                        loss = out.loss / workload.grad_accum_steps
+                    if hf:
+                        with autocast_region(autocast_dtype):
+                            out = model(input_ids=input_ids, labels=labels, use_cache=False)
+                        if autocast_dtype is not None:
+                            out = _outputs_to_fp32(out)
+                        loss = out["loss"]
                         del out
+                        loss = loss / workload.grad_accum_steps
+                    else:
+                        with autocast_region(autocast_dtype):
+                            out = model(input_ids=input_ids, labels=labels, use_cache=False)
+                            loss = out.loss / workload.grad_accum_steps
+                            del out
                     # What the forward leaves alive is what backward needs.
                     tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
                     tracker.set_phase(Phase.BACKWARD)
@@ -191,6 +216,10 @@ def trace_step(
                     tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)
                     hooks.end_backward(it, mb)
                 tracker.set_phase(Phase.OPTIMIZER)
+                if hf and not offload:
+                    # Trainer: accelerator.clip_grad_norm_ -> torch.nn.utils.clip_grad_norm_
+                    # (foreach on CUDA) when max_grad_norm > 0, its default 1.0.
+                    torch.nn.utils.clip_grad_norm_(trainable, _HF_MAX_GRAD_NORM, foreach=True)
                 with _pause.untracked() if offload else contextlib.nullcontext():
                     stepped = hooks.step(optimizer)
                 if stepped is not None:

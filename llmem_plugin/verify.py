@@ -116,6 +116,7 @@ class Measurement:
         gpu: ``{"name", "memory_bytes", "compute_capability", "idle_used_bytes"}`` on CUDA.
         device_total_source: ``nvml-process``, ``nvml-device``, ``cuda-mem-get-info`` or None.
         seconds: Wall time from start to stop.
+        breakdown: On the CPU, tensor bytes per category at the peak.
     """
 
     device: str
@@ -126,6 +127,7 @@ class Measurement:
     gpu: dict[str, Any] | None = None
     device_total_source: str | None = None
     seconds: float = 0.0
+    breakdown: dict[str, int] = field(default_factory=dict)
 
 
 class _Nvml:
@@ -269,8 +271,10 @@ class PeakMeter:
         self._label_host_state(tracker)
         tracker.__exit__(None, None, None)
         self._exit_emulation()
-        return Measurement(device="cpu", allocated_bytes=tracker.result().peak_bytes, reserved_bytes=None,
-                           device_total_bytes=None, steps=list(self._steps), seconds=seconds)
+        result = tracker.result()
+        return Measurement(device="cpu", allocated_bytes=result.peak_bytes, reserved_bytes=None,
+                           device_total_bytes=None, steps=list(self._steps), seconds=seconds,
+                           breakdown={c.value: n for c, n in result.breakdown.items()})
 
     def abandon(self) -> None:
         """Stop without a result (training ended before the comparison)."""

@@ -10,7 +10,7 @@ import torch
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["Precision", "OptimizerKind", "AttentionImpl", "LoraSpec", "Workload"]
+__all__ = ["Precision", "OptimizerKind", "AttentionImpl", "Runner", "LoraSpec", "Workload"]
 
 
 def _choice(enum_cls: type[Enum], value: object, what: str, flag: str) -> Enum:
@@ -63,6 +63,23 @@ class AttentionImpl(str, Enum):
     EAGER = "eager"
 
 
+class Runner(str, Enum):
+    """The training loop around the model.
+
+    TORCH is the plain loop (forward with labels under autocast, backward,
+    ``optimizer.step()``). HF_TRAINER adds what ``transformers.Trainer``
+    does around it: under mixed precision accelerate wraps the forward so
+    its fp16/bf16 outputs (the logits) are converted to fp32 after the
+    autocast region (accelerate ``Accelerator.prepare_model``,
+    ``convert_outputs_to_fp32``), and gradients are clipped to
+    ``max_grad_norm`` (1.0 by default, ``TrainingArguments``) with
+    ``torch.nn.utils.clip_grad_norm_`` before the optimizer step.
+    """
+
+    TORCH = "torch"
+    HF_TRAINER = "hf-trainer"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoraSpec:
     """peft LoRA settings.
@@ -106,6 +123,7 @@ class Workload:
         grad_checkpointing: transformers' non-reentrant gradient checkpointing.
         lora: LoRA settings, or None for full fine-tuning.
         attn_implementation: See :class:`AttentionImpl`.
+        runner: See :class:`Runner`.
     """
 
     seq_len: int = 2048
@@ -116,6 +134,7 @@ class Workload:
     grad_checkpointing: bool = False
     lora: LoraSpec | None = None
     attn_implementation: AttentionImpl = AttentionImpl.AUTO
+    runner: Runner = Runner.TORCH
 
     def __post_init__(self) -> None:
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
@@ -128,6 +147,7 @@ class Workload:
         object.__setattr__(
             self, "attn_implementation", _choice(AttentionImpl, self.attn_implementation, "attention", "--attn")
         )
+        object.__setattr__(self, "runner", _choice(Runner, self.runner, "runner", "--runner"))
 
     def to_dict(self) -> dict:
         return {
@@ -144,4 +164,5 @@ class Workload:
                 "dropout": self.lora.dropout,
             },
             "attn_implementation": self.attn_implementation.value,
+            "runner": self.runner.value,
         }

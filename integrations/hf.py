@@ -1,0 +1,364 @@
+"""HF Trainer: ``callbacks=[LLMemCallback()]`` and ``autoconfigure(model, args)``.
+
+:class:`LLMemCallback` estimates the job the Trainer was configured for
+(single GPU, DDP, DeepSpeed ZeRO or FSDP, read from ``TrainingArguments``)
+on the live model just before its first forward, when the first batch's
+shape is known. If the peak does not fit the GPU less the margin it raises
+:class:`~llmem_plugin.errors.WontFitError` with the memory report (or
+warns). After ``compare_after_steps`` optimizer steps it compares the
+prediction with the measured peak (:mod:`llmem_plugin.verify`), logs
+``llmem/predicted_peak_gib``, ``llmem/actual_peak_gib`` and ``llmem/error_pct``
+through ``Trainer.log`` (so every reporting integration gets them), and
+appends a row to ``<output_dir>/llmem-verify.jsonl`` for ``llmem validate``.
+
+:func:`autoconfigure` plans before the Trainer is built and returns
+``TrainingArguments`` with the fastest method that fits: a DeepSpeed config
+or FSDP settings, the micro-batch and accumulation that keep the global
+batch, and gradient checkpointing.
+
+An estimator limitation (an optimizer or setting that is not modelled) never
+stops training: the callback warns and the job runs unchecked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
+from llmem_plugin.integrations import _common
+from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
+from llmem_plugin.workload import Precision, Workload
+
+__all__ = ["LLMemCallback", "autoconfigure", "job_of"]
+
+log = logging.getLogger("llmem_plugin.hf")
+
+# TrainingArguments.optim -> the estimator's optimizer (transformers
+# training_args.OptimizerNames; the Trainer builds torch.optim.AdamW with
+# fused=True for "adamw_torch_fused", its default from torch 2.8, and with
+# foreach left to torch, which picks foreach on CUDA, for "adamw_torch").
+_OPTIM = {"adamw_torch_fused": "adamw-fused", "adamw_torch": "adamw", "sgd": "sgd"}
+# Methods the Trainer runs from its arguments alone (tensor parallelism
+# comes from how the model is loaded, so autoconfigure does not pick it).
+HF_METHODS = ["single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "fsdp", "fsdp-offload"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The distributed job ``TrainingArguments`` describe.
+
+    Attributes:
+        method: Registry method (``single``, ``ddp``, ``zero2``, ``fsdp``, ...).
+        num_gpus: World size.
+        num_nodes: Nodes (``WORLD_SIZE / LOCAL_WORLD_SIZE`` under torchrun).
+        options: Method options (DeepSpeed config, FSDP offload/resharding).
+        notes: Where the estimate approximates the configuration.
+    """
+
+    method: str
+    num_gpus: int
+    num_nodes: int
+    options: dict[str, Any]
+    notes: tuple[str, ...] = ()
+
+
+def _deepspeed_config(args: Any) -> dict[str, Any] | None:
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if hf is not None and isinstance(getattr(hf, "config", None), dict):
+        return hf.config  # with the "auto" values the Trainer filled
+    ds = getattr(args, "deepspeed", None)
+    if not ds:
+        return None
+    if isinstance(ds, dict):
+        return ds
+    try:
+        with open(ds, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read the DeepSpeed config '{ds}': {e}. HINT: pass a JSON file or a dict")
+
+
+def job_of(args: Any) -> Job:
+    """The method, world size and options of the Trainer's arguments.
+
+    Raises:
+        UnsupportedError: A configuration the estimator does not model.
+    """
+    world = int(getattr(args, "world_size", 1) or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    nodes = max(1, world // max(1, local))
+    ds = _deepspeed_config(args)
+    if ds is not None:
+        zero = ds.get("zero_optimization", {}) or {}
+        stage = int(zero.get("stage", 0))
+        if stage not in (1, 2, 3):
+            raise UnsupportedError(f"DeepSpeed ZeRO stage {stage} is not modelled. HINT: use stage 1, 2 or 3")
+        off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        off_par = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+        return Job(f"zero{stage}", world, nodes, {"config": ds, "offload_optimizer": off_opt, "offload_param": off_par})
+    fsdp = getattr(args, "fsdp", None) or []
+    if isinstance(fsdp, str):
+        fsdp = fsdp.split()
+    fsdp = [str(getattr(o, "value", o)) for o in fsdp]
+    if fsdp:
+        cfg = getattr(args, "fsdp_config", None) or {}
+        version = int(cfg.get("version", cfg.get("fsdp_version", 1)) or 1)
+        notes = () if version == 2 else ("FSDP1 (flat parameters) estimated as FSDP2 (per-parameter sharding)",)
+        opts: dict[str, Any] = {"cpu_offload": "offload" in fsdp}
+        if "shard_grad_op" in fsdp:
+            opts["reshard_after_forward"] = False
+        if "hybrid_shard" in fsdp or "hybrid_shard_zero2" in fsdp:
+            return Job("hsdp", world, nodes, opts, notes)
+        return Job("fsdp", world, nodes, opts, notes)
+    return Job("ddp" if world > 1 else "single", world, nodes, {})
+
+
+def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int) -> Workload:
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in _OPTIM:
+        raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
+                               "HINT: use optim='adamw_torch_fused' to have the job checked")
+    precision = _common.precision_of(live.param_dtype, bf16=bool(args.bf16), fp16=bool(args.fp16))
+    attn = getattr(live.config, "_attn_implementation", None) if live.config is not None else None
+    return Workload(seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
+                    precision=precision, optimizer=_OPTIM[optim],
+                    grad_checkpointing=bool(args.gradient_checkpointing),
+                    attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer")
+
+
+def _find_trainer() -> Any:
+    """The Trainer whose callback handler is calling us (callbacks receive no
+    reference to it; ``Trainer.log`` is how metrics reach every reporter)."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class LLMemCallback(TrainerCallback):
+    """Check the job's peak memory before its first step; compare after the first steps.
+
+    Args:
+        on_wont_fit: ``"abort"`` raises :class:`WontFitError` with the report
+            before any step; ``"warn"`` logs it and trains on.
+        margin: Fraction of the GPU to keep free (default 5%).
+        compare_after_steps: Optimizer steps after which to compare the
+            predicted peak with the measured one (0: never).
+        seq_len: Tokens per sequence; default: the first batch's.
+        gpu: Catalog GPU to estimate for; default: this process's CUDA device.
+            Needed on the CPU, or to check the job for another GPU.
+        gpu_memory: Capacity in bytes or as text (``"75GiB"``).
+        tolerance_pct: Warn when a compared metric is off by more than this.
+        record_file: JSONL file for the comparison row; default
+            ``<output_dir>/llmem-verify.jsonl``; ``False`` writes none.
+
+    Attributes:
+        check: The :class:`~llmem_plugin.integrations._common.Check` made
+            before the first step (None until then, or when it was skipped).
+        comparison: The :class:`~llmem_plugin.verify.Comparison` (None until made).
+    """
+
+    def __init__(self, on_wont_fit: str = "abort", margin: float = 0.05, compare_after_steps: int = 3,
+                 seq_len: int | None = None, gpu: Any = None, gpu_memory: int | str | None = None, *,
+                 tolerance_pct: float = DEFAULT_TOLERANCE_PCT, record_file: str | bool | None = None) -> None:
+        if on_wont_fit not in ("abort", "warn"):
+            raise ConfigError(f"on_wont_fit must be 'abort' or 'warn', got {on_wont_fit!r}")
+        if not 0 <= margin < 1:
+            raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. margin=0.05 keeps 5% free")
+        if isinstance(compare_after_steps, bool) or not isinstance(compare_after_steps, int) or compare_after_steps < 0:
+            raise ConfigError(f"compare_after_steps must be an integer >= 0, got {compare_after_steps!r}")
+        if seq_len is not None and (not isinstance(seq_len, int) or seq_len <= 0):
+            raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+        self.on_wont_fit = on_wont_fit
+        self.margin = margin
+        self.compare_after_steps = compare_after_steps
+        self.seq_len = seq_len
+        self.gpu = gpu
+        self.gpu_memory = gpu_memory
+        self.tolerance_pct = tolerance_pct
+        self.record_file = record_file
+        self.check: _common.Check | None = None
+        self.comparison = None
+        self._hook: Any = None
+        self._meter: PeakMeter | None = None
+        self._steps = 0
+        self._args: Any = None
+        self._trainer: Any = None
+        self._optimizer: Any = None
+
+    # ----------------------------------------------------------- before training
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._args, self._optimizer, self._steps = args, optimizer, 0
+        self.check, self.comparison = None, None
+        self._trainer = _find_trainer()
+        target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+        live = _common.live_model(model)
+        self._hook = live.module.register_forward_pre_hook(
+            lambda mod, a, kw: self._first_forward(live, target, memory, a, kw), with_kwargs=True)
+        return control
+
+    def _first_forward(self, live, target, memory, args_in, kwargs_in) -> None:
+        self._hook.remove()
+        self._hook = None
+        dims = _common.batch_dims(kwargs_in) or _common.batch_dims(args_in)
+        if dims is None and self.seq_len is None:
+            warnings.warn("llmem: the first batch has no input_ids to read the sequence length from, so the job "
+                          "is not checked. HINT: pass LLMemCallback(seq_len=...)", stacklevel=2)
+            return
+        batch = dims[0] if dims else int(self._args.per_device_train_batch_size)
+        seq_len = self.seq_len or dims[1]
+        try:
+            job = job_of(self._args)
+            wl = _workload(self._args, live, batch, seq_len)
+            self.check = _common.check(live, wl, method=job.method, num_gpus=job.num_gpus, num_nodes=job.num_nodes,
+                                       gpu=target, gpu_memory=memory, margin=self.margin, options=job.options)
+        except (UnsupportedError, ConfigError) as e:
+            warnings.warn(f"llmem: the job is not checked: {e}", stacklevel=2)
+            return
+        except LLMemError as e:  # a trace failure is the estimator's, not the job's
+            warnings.warn(f"llmem: the job is not checked, the estimate failed: {e}", stacklevel=2)
+            return
+        notes = "".join(f"\nnote: {n}" for n in job.notes)
+        if not self.check.fits:
+            message = f"llmem: {self.check.message()}{notes}\n{self.check.report}"
+            if self.on_wont_fit == "abort":
+                raise WontFitError(message)
+            warnings.warn(message, stacklevel=2)
+        else:
+            log.info("llmem: %s%s", self.check.message(), notes)
+        if self.compare_after_steps:
+            self._start_meter(live, kwargs_in, args_in)
+
+    def _start_meter(self, live, kwargs_in, args_in) -> None:
+        precision = Precision(self.check.prediction.workload["precision"])
+        from llmem_plugin.gpus import get_gpu
+
+        cc = get_gpu(self.check.prediction.gpu).compute_capability
+        self._meter = PeakMeter(autocast_dtype=precision.autocast_dtype, compute_capability=cc)
+        live_tensors = list(live.module.parameters()) + list(live.module.buffers())
+        live_tensors += [t for t in list(kwargs_in.values()) + list(args_in) if isinstance(t, torch.Tensor)]
+        self._meter.start(live_tensors, optimizer=self._optimizer)
+
+    # ------------------------------------------------------------ during training
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._meter is None or not self._meter.running:
+            return control
+        self._steps += 1
+        self._meter.step_end(self._steps)
+        if self._steps >= self.compare_after_steps:
+            self._compare(state)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._meter is not None and self._meter.running:
+            if self._steps:
+                self._compare(state)  # fewer steps than asked: compare what ran
+            else:
+                self._meter.abandon()
+        return control
+
+    def _compare(self, state) -> None:
+        measurement = self._meter.stop()
+        self.comparison = compare(self.check.prediction, measurement)
+        metrics = self.comparison.metrics()
+        if self._trainer is not None:
+            self._trainer.log(dict(metrics))
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+        log.info("llmem: after %d steps: %s", self._steps, self.comparison.summary())
+        outside = self.comparison.outside(self.tolerance_pct)
+        if outside:
+            warnings.warn(f"llmem: predicted vs actual differ by more than {self.tolerance_pct}%: "
+                          f"{self.comparison.summary()}", stacklevel=2)
+        path = self.record_file
+        if path is None:
+            path = os.path.join(self._args.output_dir, "llmem-verify.jsonl")
+        if path:
+            rank = int(getattr(self._args, "process_index", 0))
+            run = os.path.basename(os.path.normpath(self._args.output_dir)) or "run"
+            append_row(path, self.comparison.to_row(run_id=f"{run}-{self.check.prediction.method}",
+                                                    runner="hf-trainer", rank=rank))
+
+
+def autoconfigure(model: Any, training_args: Any, cluster: dict[str, Any] | None = None, *, seq_len: int,
+                  margin: float = 0.05, methods: list[str] | None = None) -> Any:
+    """Plan the job and return ``TrainingArguments`` that run the plan's choice.
+
+    The global batch (per-device batch x accumulation x world size of
+    ``training_args``) is kept; the planner picks the method, micro-batch,
+    accumulation and checkpointing.
+
+    Args:
+        model: The model the Trainer will train (real or meta).
+        training_args: The ``TrainingArguments`` to start from.
+        cluster: ``{"num_gpus", "num_nodes", "gpu", "gpu_memory"}``; default:
+            the world size of ``training_args`` on one node, this process's GPU.
+        seq_len: Tokens per sequence of the training data.
+        margin: Fraction of the GPU to keep free.
+        methods: Planner methods to consider (default: those the Trainer runs
+            from its arguments, :data:`HF_METHODS`).
+
+    Returns:
+        A copy of ``training_args`` with ``deepspeed`` or ``fsdp``/``fsdp_config``,
+        ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and
+        ``gradient_checkpointing`` set. ``.llmem_plan`` on it holds the plan.
+
+    Raises:
+        WontFitError: Nothing fits; carries the plan and its suggestions.
+    """
+    from llmem_plugin.integrations.deepspeed import to_deepspeed_config
+
+    cluster = dict(cluster or {})
+    unknown = set(cluster) - {"num_gpus", "num_nodes", "gpu", "gpu_memory"}
+    if unknown:
+        raise ConfigError(f"unknown cluster keys {sorted(unknown)}; valid: num_gpus, num_nodes, gpu, gpu_memory")
+    num_gpus = int(cluster.get("num_gpus", getattr(training_args, "world_size", 1) or 1))
+    num_nodes = int(cluster.get("num_nodes", 1))
+    target, memory = _common.resolve_target(cluster.get("gpu"), cluster.get("gpu_memory"))
+    live = _common.live_model(model)
+    bad = [m for m in (methods or []) if m not in HF_METHODS]
+    if bad:
+        raise ConfigError(f"methods {bad} do not run from TrainingArguments; valid: {', '.join(HF_METHODS)}")
+    wl = _workload(training_args, live, 1, seq_len)
+    global_batch = (int(training_args.per_device_train_batch_size) * int(training_args.gradient_accumulation_steps)
+                    * num_gpus)
+    plan = _common.choose(live, dataclasses.replace(wl, grad_checkpointing=False), gpu=target, gpu_memory=memory,
+                          num_gpus=num_gpus, num_nodes=num_nodes, margin=margin, methods=methods or HF_METHODS,
+                          global_batch=global_batch)
+    c = plan.choice
+    changes: dict[str, Any] = {"per_device_train_batch_size": c.micro_batch,
+                               "gradient_accumulation_steps": c.grad_accum,
+                               "gradient_checkpointing": c.grad_checkpointing,
+                               "deepspeed": None, "fsdp": "", "fsdp_config": None}
+    if c.method.startswith("zero"):
+        ds = to_deepspeed_config(plan)
+        changes["deepspeed"] = ds
+    elif c.method in ("fsdp", "fsdp-offload"):
+        changes["fsdp"] = "full_shard auto_wrap" + (" offload" if c.method == "fsdp-offload" else "")
+        changes["fsdp_config"] = {"version": 2, "reshard_after_forward": True}
+    if c.grad_checkpointing:
+        changes["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # as estimated
+    fields = {f.name for f in dataclasses.fields(training_args) if f.init}
+    kwargs = {k: getattr(training_args, k) for k in fields}
+    kwargs.update(changes)
+    new = type(training_args)(**kwargs)
+    new.llmem_plan = plan
+    log.info("llmem: %s\n%s", plan.why, _common.report_text(plan))
+    return new
