@@ -155,17 +155,62 @@ def _workload(d: dict[str, Any]):
     return Workload(**d, lora=lora)
 
 
-def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
+def _model_config(row: dict[str, Any]) -> Any:
+    """The row's model: a catalog name with overrides, or the full config of
+    a live model (rows written by :mod:`llmem_plugin.verify`)."""
     from llmem_plugin import catalog
+
+    config = row.get("config")
+    if isinstance(config, dict):
+        import transformers
+
+        d = dict(config)
+        model_type = d.pop("model_type", None)
+        if not model_type:
+            raise ConfigError(f"row '{row['id']}': its config has no model_type. HINT: rows follow the schema in "
+                              "benchmarks/groundtruth/README.md")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"row '{row['id']}': cannot build its {model_type} config: {e}") from None
+    return catalog.load_config(row["model"], row.get("config_overrides") or None)
+
+
+def _estimate_row(row: dict[str, Any], config: Any, wl: Any, **kw: Any) -> dict[str, int]:
+    """Predict with the row's method (``single`` when it names none)."""
     from llmem_plugin.estimate import estimate
+
+    method = row.get("method") or {}
+    if method.get("name", "single") == "single" and method.get("num_gpus", 1) == 1:
+        est = estimate(config, wl, **kw)
+        return {"tensor": est.peak_tensor_bytes, "allocated": est.peak_allocated_bytes,
+                "reserved": est.peak_reserved_bytes, "device_total": est.device_total_bytes, "fits": est.fits}
+    from llmem_plugin.methods import estimate_method
+    from llmem_plugin.methods.layout import Layout
+
+    layout = Layout(num_gpus=method.get("num_gpus", 1), num_nodes=method.get("num_nodes", 1),
+                    tp=method.get("tp", 1))
+    est = estimate_method(method["name"], config, wl, layout=layout, gpu=kw.get("gpu"),
+                          alloc_conf=kw.get("alloc_conf"), torch_version=kw.get("torch_version"))
+    ranks = {r.rank: r for r in est.ranks}
+    r = ranks.get(method.get("rank", 0), est.worst)
+    return {"tensor": r.peak_tensor_bytes, "allocated": r.peak_allocated_bytes, "reserved": r.peak_reserved_bytes,
+            "device_total": r.device_total_bytes, "fits": all(x.fits for x in est.ranks)}
+
+
+def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
     from llmem_plugin.gpus import get_gpu, match_device_name
 
-    config = catalog.load_config(row["model"], row.get("config_overrides") or None)
+    config = _model_config(row)
     wl = _workload(row["workload"])
+    if row.get("runner") == "hf-trainer":  # rows written before Workload.runner existed
+        import dataclasses
+
+        wl = dataclasses.replace(wl, runner="hf-trainer")
     env = row.get("env") or {}
     if row["device"] == "cpu":
-        est = estimate(config, wl, fast=fast, torch_version=env.get("torch"))
-        return {"allocated": est.peak_tensor_bytes, "reserved": None, "device_total": None}, None
+        p = _estimate_row(row, config, wl, fast=fast, torch_version=env.get("torch"))
+        return {"allocated": p["tensor"], "reserved": None, "device_total": None}, None
     info = row.get("gpu") or {}
     gpu = get_gpu(gpu_name) if gpu_name else match_device_name(info.get("name", ""))
     if gpu is None:
@@ -175,13 +220,13 @@ def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[
     capacity = info.get("memory_bytes")
     if capacity is not None:
         capacity -= info.get("idle_used_bytes") or 0
-    est = estimate(config, wl, fast=fast, gpu=gpu, gpu_memory=capacity,
-                   alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_version=env.get("torch"))
-    return {
-        "allocated": est.peak_allocated_bytes,
-        "reserved": est.peak_reserved_bytes,
-        "device_total": est.device_total_bytes,
-    }, est.fits
+    import dataclasses
+
+    if capacity is not None:
+        gpu = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None)
+    p = _estimate_row(row, config, wl, fast=fast, gpu=gpu, alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                      torch_version=env.get("torch"))
+    return {"allocated": p["allocated"], "reserved": p["reserved"], "device_total": p["device_total"]}, p["fits"]
 
 
 def _measured(row: dict[str, Any]) -> dict[str, int | None]:

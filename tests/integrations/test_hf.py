@@ -1,0 +1,188 @@
+"""HF Trainer adapter: real Trainer runs on the CPU with ``LLMemCallback``.
+
+The callback checks the job on the live model before its first forward, and
+after the first steps compares the estimate with the real run, measured by
+the project's tracker on real tensors under the CUDA emulation
+(:mod:`llmem_plugin.verify`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import Trainer, TrainingArguments
+
+from llmem_plugin.errors import ConfigError, WontFitError
+from llmem_plugin.integrations.hf import LLMemCallback, autoconfigure, job_of
+from llmem_plugin.tracker import round_allocation
+from llmem_plugin.validate import load_rows, validate_rows
+from llmem_plugin.workload import Workload
+
+from ..conftest import tiny_config
+
+SEQ, BATCH = 64, 2
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, vocab: int, n: int = 32) -> None:
+        self.vocab, self.n = vocab, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, self.vocab, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
+
+
+def _trainer(tmp_path, model, callback, *, steps: int = 3, **args) -> Trainer:
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, max_steps=steps,
+                              use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                              dataloader_num_workers=0, **args)
+    return Trainer(model=model, args=targs, train_dataset=_Tokens(model.config.vocab_size), callbacks=[callback])
+
+
+class _CountSteps(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.optimizer_steps = 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.optimizer_steps += 1
+
+
+def test_abort_raises_before_any_optimizer_step_with_the_report(tmp_path):
+    model = _model()
+    cb = LLMemCallback(gpu="h100-sxm", gpu_memory="0.01GiB")  # far below the CUDA context alone
+    trainer = _trainer(tmp_path, model, cb)
+    counter = _CountSteps()
+    trainer.add_callback(counter)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(WontFitError) as info:
+        trainer.train()
+    assert counter.optimizer_steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no step changed a weight
+    message = str(info.value)
+    assert "does not fit" in message and "tensors at the peak" in message  # the verdict and the report
+    assert cb.check is not None and not cb.check.fits
+    assert cb.check.prediction.device_total_bytes > cb.check.limit_bytes
+
+
+def test_warn_path_trains_on(tmp_path):
+    cb = LLMemCallback(gpu="h100-sxm", gpu_memory="0.01GiB", on_wont_fit="warn", compare_after_steps=0)
+    trainer = _trainer(tmp_path, _model(), cb, steps=2)
+    with pytest.warns(UserWarning, match="does not fit"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+def test_compare_path_logs_predicted_and_actual(tmp_path, precision):
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = _model(dtype)
+    cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=2)
+    trainer = _trainer(tmp_path, model, cb, steps=3, bf16=precision == "bf16-mixed")
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "llmem/error_pct" in h]
+    assert len(logged) == 1 and logged[0]["step"] == 2
+    pred = cb.comparison.prediction
+    meas = cb.comparison.measurement
+    assert pred.workload["precision"] == precision and pred.workload["runner"] == "hf-trainer"
+    assert pred.workload["seq_len"] == SEQ and pred.workload["micro_batch_size"] == BATCH
+    assert pred.workload["optimizer"] == "adamw-fused"  # the Trainer's default from torch 2.8
+    assert logged[0]["llmem/predicted_peak_gib"] == pred.tensor_bytes / 2**30
+    assert logged[0]["llmem/actual_peak_gib"] == meas.allocated_bytes / 2**30
+    # What the real Trainer holds on the CPU beyond the prediction lives on
+    # the host in a CUDA run: accelerate's DataLoaderShard fetches the next
+    # batch ahead (input_ids and labels) and the Trainer keeps 0-d loss and
+    # grad-norm tensors. Anything a CUDA run holds more (a gradient copy,
+    # the fp32 logits) is far larger than this bound.
+    batch_bytes = 2 * round_allocation(BATCH * SEQ * 8)
+    extra = meas.allocated_bytes - pred.tensor_bytes
+    assert 0 <= extra <= batch_bytes + 8 * 512, extra
+    rows = load_rows(tmp_path / "out" / "llmem-verify.jsonl")
+    assert len(rows) == 1 and rows[0]["runner"] == "hf-trainer" and rows[0]["method"]["name"] == "single"
+    # llmem validate re-predicts the row from its config and gets the same number.
+    report = validate_rows(rows)
+    assert report.rows[0].predicted["allocated"] == pred.tensor_bytes
+
+
+def test_job_of_reads_the_distributed_configuration(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert job_of(args).method == "single"
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+          "train_micro_batch_size_per_gpu": 1}
+    job = job_of(type("A", (), {"world_size": 8, "deepspeed": ds, "hf_deepspeed_config": None, "fsdp": []})())
+    assert (job.method, job.num_gpus, job.options["offload_optimizer"], job.options["offload_param"]) == (
+        "zero3", 8, True, True)
+    fsdp = type("A", (), {"world_size": 4, "deepspeed": None, "fsdp": "full_shard offload auto_wrap",
+                          "fsdp_config": {"version": 2}})()
+    job = job_of(fsdp)
+    assert job.method == "fsdp" and job.options == {"cpu_offload": True} and not job.notes
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(ConfigError, match="on_wont_fit"):
+        LLMemCallback(on_wont_fit="stop")
+    with pytest.raises(ConfigError, match="margin"):
+        LLMemCallback(margin=1.5)
+
+
+def test_no_gpu_and_no_cuda_is_a_config_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    trainer = _trainer(tmp_path, _model(), LLMemCallback(), steps=1)
+    with pytest.raises(ConfigError, match="pass gpu="):
+        trainer.train()
+
+
+def test_unmodelled_optimizer_warns_and_trains(tmp_path):
+    cb = LLMemCallback(gpu="h100-sxm")
+    trainer = _trainer(tmp_path, _model(), cb, steps=1, optim="adafactor")
+    with pytest.warns(UserWarning, match="not checked"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and cb.check is None
+
+
+def test_autoconfigure_applies_the_plan_and_keeps_the_global_batch(tmp_path):
+    model = _model()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                             use_cpu=True, report_to=[])
+    new = autoconfigure(model, args, {"num_gpus": 1, "gpu": "h100-sxm", "gpu_memory": "0.45GiB"}, seq_len=SEQ)
+    plan = new.llmem_plan
+    c = plan.choice
+    assert c.fits and c.device_total_bytes <= plan.limit_bytes
+    assert new.per_device_train_batch_size == c.micro_batch
+    assert new.gradient_accumulation_steps == c.grad_accum
+    assert c.micro_batch * c.grad_accum == 8  # the global batch of the original arguments
+    assert new.gradient_checkpointing == c.grad_checkpointing
+    assert new.output_dir == args.output_dir  # everything else is kept
+    # The choice is what a fresh estimate of that exact configuration says fits.
+    from llmem_plugin import estimate
+
+    est = estimate(model.config, Workload(seq_len=SEQ, micro_batch_size=c.micro_batch,
+                                          grad_accum_steps=min(c.grad_accum, 2), precision="fp32",
+                                          optimizer="adamw-fused", grad_checkpointing=c.grad_checkpointing,
+                                          runner="hf-trainer"), gpu="h100-sxm", gpu_memory=int(0.45 * 2**30))
+    assert est.device_total_bytes == c.device_total_bytes
+
+
+def test_autoconfigure_writes_the_deepspeed_config_the_plan_estimated(tmp_path):
+    from llmem_plugin.integrations.deepspeed import to_deepspeed_config
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        new = autoconfigure(_model(), args, {"num_gpus": 2, "gpu": "h100-sxm"}, seq_len=SEQ, methods=["zero2"])
+    assert new.llmem_plan.choice.method == "zero2"
+    assert json.dumps(new.deepspeed, sort_keys=True) == json.dumps(to_deepspeed_config(new.llmem_plan), sort_keys=True)
+    assert new.deepspeed["zero_optimization"]["stage"] == 2
