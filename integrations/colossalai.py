@@ -117,8 +117,8 @@ def _optimizer_kind(optimizer: Any) -> OptimizerKind:
 
 
 def _cluster(cluster: Any) -> tuple[int, int]:
-    """(num_gpus, num_nodes): given, or the torch.distributed world and
-    torchrun's LOCAL_WORLD_SIZE, or one GPU."""
+    """(num_gpus, num_nodes): given, or torchrun's WORLD_SIZE and
+    LOCAL_WORLD_SIZE (one GPU without them)."""
     from llmem_plugin.methods.layout import Layout
 
     if isinstance(cluster, Layout):
@@ -132,11 +132,12 @@ def _cluster(cluster: Any) -> tuple[int, int]:
         raise ConfigError(f"cluster must be a Layout, a dict with num_gpus/num_nodes or a GPU count, got "
                           f"{cluster!r}. HINT: cluster={{'num_gpus': 8, 'num_nodes': 1}}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        nodes = world // local if local and world % local == 0 else 1
-        return world, nodes
-    return 1, 1
+        raise ConfigError("a process group is already initialized, and the estimator traces under its own fake "
+                          "one. HINT: plan before colossalai.launch_from_torch() (auto_booster launches it "
+                          "for you), or pass cluster= to choose_plugin")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world, (world // local if local and world % local == 0 else 1)
 
 
 def _methods(methods: list[str] | None) -> list[str]:
@@ -214,7 +215,9 @@ def choose_plugin(
         gpu: Catalog GPU; None: this process's CUDA device.
         gpu_memory: Capacity override, bytes or text ("75GiB").
         cluster: A Layout, ``{"num_gpus", "num_nodes"}`` or a GPU count;
-            None: the torch.distributed world (one node per LOCAL_WORLD_SIZE).
+            None: torchrun's ``WORLD_SIZE`` (one node per ``LOCAL_WORLD_SIZE``),
+            or one GPU. Plan before any process group exists: the
+            estimator traces under a fake one.
         margin: Fraction of the capacity kept free.
         methods: Restrict to these planner methods (keys of :data:`PLUGINS`).
         tps: Restrict the tensor-parallel degrees.
@@ -226,7 +229,8 @@ def choose_plugin(
         accumulation and checkpointing to train with.
 
     Raises:
-        ConfigError: A bad value (named, with the fix).
+        ConfigError: A bad value (named, with the fix), or a process group
+            already initialized with ``cluster=None``.
         WontFitError: Nothing fits; carries the plan.
     """
     from llmem_plugin.integrations._common import check, choose, live_model, report_text, resolve_target
@@ -322,7 +326,7 @@ def build_booster(name: str, plugin_kwargs: dict[str, Any], model: nn.Module | N
     """The ColossalAI ``Booster`` of :func:`choose_plugin`'s name and kwargs.
 
     Call after ``colossalai.launch_from_torch()`` (the plugins build their
-    process groups).
+    process groups from it).
 
     Raises:
         ConfigError: An unknown plugin name.
@@ -345,11 +349,15 @@ def auto_booster(
     model: nn.Module, optimizer: Any = None, *, seq_len: int, global_batch: int | None = None,
     micro_batch: int | None = None, grad_checkpointing: bool | None = None, precision: str | Precision = "bf16",
     gpu: GPU | str | None = None, gpu_memory: int | str | None = None, cluster: Any = None, margin: float = 0.05,
-    methods: list[str] | None = None, tps: list[int] | None = None, return_plan: bool = False,
+    methods: list[str] | None = None, tps: list[int] | None = None, seed: int = 1024, return_plan: bool = False,
 ) -> Any:
     """A ColossalAI ``Booster`` with the fastest plugin that fits this job.
 
-    Arguments as :func:`choose_plugin`. Without CUDA only ``ddp`` is
+    Call it in every rank in place of ``colossalai.launch_from_torch``: each
+    rank plans (the same, deterministic plan) before any process group
+    exists, then ``colossalai.launch_from_torch(seed=seed)`` is called and
+    the plugin built. Other arguments as :func:`choose_plugin`; ``cluster``
+    defaults to torchrun's world. Without CUDA only ``ddp`` is
     planned (the other plugins need a GPU). When the choice checkpoints,
     ``model.gradient_checkpointing_enable`` (non-reentrant, what was
     estimated) is called on ``model``. Train with ``plan.choice.micro_batch``
@@ -377,5 +385,9 @@ def auto_booster(
     if plan.choice.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log.info("gradient checkpointing enabled (non-reentrant), as planned")
+    if not torch.distributed.is_initialized():
+        import colossalai
+
+        colossalai.launch_from_torch(seed=seed, verbose=False)  # initialize.py: gloo on a CPU accelerator
     booster = build_booster(name, kwargs, model)
     return (booster, plan) if return_plan else booster
