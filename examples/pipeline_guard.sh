@@ -10,11 +10,12 @@ MODEL=${MODEL:-llama-3.1-8b}
 GPUS=${GPUS:-8}
 NODES=${NODES:-1}
 GPU=${GPU:-h100-sxm}
+GPU_MEMORY=${GPU_MEMORY:-}          # optional capacity override, e.g. 20GiB
 SEQ_LEN=${SEQ_LEN:-2048}
 GLOBAL_BATCH=${GLOBAL_BATCH:-64}
 PLAN=${PLAN:-llmem-plan.json}
 
-llmem plan --model "$MODEL" --gpus "$GPUS" --nodes "$NODES" --gpu "$GPU" \
+llmem plan --model "$MODEL" --gpus "$GPUS" --nodes "$NODES" --gpu "$GPU" ${GPU_MEMORY:+--gpu-memory "$GPU_MEMORY"} \
     --seq-len "$SEQ_LEN" --global-batch "$GLOBAL_BATCH" --json > "$PLAN" || exit
 
 # It fits: read the choice and hand it to the launcher.

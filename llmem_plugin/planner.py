@@ -1076,6 +1076,8 @@ def _suggestions(model: Any, failed: Plan, kw: dict[str, Any], cache: dict) -> l
                      suggest=False, _profiles=cache, **args)
         except WontFitError:
             return False
+        except ConfigError:  # the change does not apply to this model (e.g. LoRA targets it lacks)
+            return False
         out.append(Suggestion(change=change, choice=p.choice))
         return True
 
