@@ -22,6 +22,7 @@ stops training: the callback warns and the job runs unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -135,6 +136,95 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int) -> W
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer")
 
 
+def _unpartitioned(live: _common.LiveModel, wl: Workload) -> tuple[_common.LiveModel, Workload]:
+    """What to estimate when DeepSpeed ZeRO-3 has partitioned the live model.
+
+    ZeRO-3 leaves each parameter an empty tensor (its shape in ``ds_shape``)
+    and hooks every module to gather them (deepspeed/runtime/zero/
+    partition_parameters.py, parameter_offload.py), so a structure copy of the
+    live module would trace empty weights through DeepSpeed's hooks. The
+    model is rebuilt from its config instead, with its LoRA settings.
+
+    Raises:
+        UnsupportedError: A partitioned model without a transformers config.
+    """
+    if not any(hasattr(p, "ds_id") for p in live.module.parameters()):
+        return live, wl
+    if live.config is None:
+        raise UnsupportedError(f"{live.name} is partitioned by DeepSpeed ZeRO-3 and has no transformers config "
+                               "to rebuild it from. HINT: estimate it before deepspeed.initialize")
+    return dataclasses.replace(live, module=live.config, lora=None), dataclasses.replace(wl, lora=live.lora)
+
+
+@contextlib.contextmanager
+def _hf_zero3_init_off():
+    """Build the estimator's models as plain modules even when the Trainer runs
+    ZeRO-3: transformers builds every model under ``deepspeed.zero.Init`` while
+    its DeepSpeed config is registered (transformers/integrations/deepspeed.py,
+    ``is_deepspeed_zero3_enabled``), which would partition the estimator's
+    meta model with the job's settings."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:
+        yield
+        return
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+@contextlib.contextmanager
+def _real_process_group_set_aside():
+    """Hide the job's own process group while the estimate runs.
+
+    The callback runs inside the distributed job, but the DDP/FSDP/TP
+    estimates trace under a fake default process group
+    (``llmem_plugin.methods._fakepg.fake_process_group``), which refuses to
+    replace a real one, and whose ``destroy_process_group()`` would shut down
+    and unregister every group in c10d's tables. So the tables are emptied
+    here and restored afterwards (torch 2.13 distributed_c10d.py: ``_world``,
+    ``_update_default_pg``, ``_register_process_group``). No collective runs
+    meanwhile: the estimate is local to this rank.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    c10d = dist.distributed_c10d
+    w = c10d._world
+    tables = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "pg_coalesce_state")
+    saved = {name: dict(getattr(w, name)) for name in tables}
+    tags = {tag: list(pgs) for tag, pgs in w.tags_to_pg.items()}
+    default, count = w.default_pg, w.group_count
+    for pg, name in saved["pg_names"].items():
+        _unregister_process_group(name)
+    for name in tables:
+        getattr(w, name).clear()
+    w.tags_to_pg.clear()
+    c10d._update_default_pg(None)
+    w.group_count = 0
+    try:
+        yield
+    finally:
+        if dist.is_initialized():  # the estimate left its group: not ours to keep
+            dist.destroy_process_group()
+        for name in tables:
+            getattr(w, name).clear()
+            getattr(w, name).update(saved[name])
+        w.tags_to_pg.clear()
+        w.tags_to_pg.update(tags)
+        w.group_count = count
+        for pg, name in saved["pg_names"].items():
+            _register_process_group(name, pg)
+        c10d._update_default_pg(default)
+
+
 def _find_trainer() -> Any:
     """The Trainer whose callback handler is calling us (callbacks receive no
     reference to it; ``Trainer.log`` is how metrics reach every reporter)."""
@@ -224,8 +314,11 @@ class LLMemCallback(TrainerCallback):
         try:
             job = job_of(self._args)
             wl = _workload(self._args, live, batch, seq_len)
-            self.check = _common.check(live, wl, method=job.method, num_gpus=job.num_gpus, num_nodes=job.num_nodes,
-                                       gpu=target, gpu_memory=memory, margin=self.margin, options=job.options)
+            source, wl = _unpartitioned(live, wl)
+            with _real_process_group_set_aside(), _hf_zero3_init_off():
+                self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,
+                                           num_nodes=job.num_nodes, gpu=target, gpu_memory=memory,
+                                           margin=self.margin, options=job.options)
         except (UnsupportedError, ConfigError) as e:
             warnings.warn(f"llmem: the job is not checked: {e}", stacklevel=2)
             return
