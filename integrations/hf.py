@@ -194,7 +194,10 @@ def _real_process_group_set_aside():
     if not (dist.is_available() and dist.is_initialized()):
         yield
         return
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch._C._distributed_c10d import (
+        _register_process_group,
+        _unregister_process_group,
+    )
 
     c10d = dist.distributed_c10d
     w = c10d._world
