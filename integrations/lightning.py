@@ -101,11 +101,18 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         register()
 
 
+def _installed(top: str) -> bool:
+    try:
+        return importlib.util.find_spec(top) is not None  # locates, does not import
+    except (ImportError, ValueError):
+        return False
+
+
 def install_import_hook() -> None:
     """Register now in the loaded Lightning packages and after the import of
     the others; imports no Lightning package."""
     register()
-    pending = [n for n in _PACKAGES if n not in sys.modules and importlib.util.find_spec(n.split(".")[0])]
+    pending = [n for n in _PACKAGES if n not in sys.modules and _installed(n.split(".")[0])]
     if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
 
@@ -305,6 +312,16 @@ class _AutoStrategyMixin:
         self.tolerance_pct = DEFAULT_TOLERANCE_PCT if tolerance_pct is None else tolerance_pct
         self.decision: _Decision | None = None
         self._user_ddp_kwargs = dict(ddp_kwargs)
+
+    def _configure_launcher(self) -> None:
+        # One process: no launcher, as Lightning's SingleDeviceStrategy. DDP's
+        # would export LOCAL_RANK/WORLD_SIZE into this process's environment
+        # (launchers/subprocess_script.py, _call_children_scripts), which every
+        # later Lightning run it starts would take for an external launch.
+        if self.num_processes * self.num_nodes > 1:
+            super()._configure_launcher()
+        else:
+            self._launcher = None
 
     # Lightning calls setup_environment once per process, after the launch and
     # before the setup/configure_model hooks (lightning/pytorch/trainer/trainer.py,
