@@ -46,8 +46,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = transformers.LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     booster, plan = auto_booster(model, optimizer, seq_len=args.seq_len, global_batch=args.global_batch,
                                  precision=args.precision, gpu=args.gpu, seed=0, return_plan=True)
     rank = dist.get_rank()  # auto_booster planned, then launched ColossalAI
