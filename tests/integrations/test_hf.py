@@ -101,11 +101,11 @@ def test_compare_path_logs_predicted_and_actual(tmp_path, precision):
     assert pred.workload["optimizer"] == "adamw-fused"  # the Trainer's default from torch 2.8
     assert logged[0]["llmem/predicted_peak_gib"] == pred.tensor_bytes / 2**30
     assert logged[0]["llmem/actual_peak_gib"] == meas.allocated_bytes / 2**30
-    # What the real Trainer holds on the CPU beyond the prediction lives on
-    # the host in a CUDA run: accelerate's DataLoaderShard fetches the next
-    # batch ahead (input_ids and labels) and the Trainer keeps 0-d loss and
-    # grad-norm tensors. Anything a CUDA run holds more (a gradient copy,
-    # the fp32 logits) is far larger than this bound.
+    # What the real Trainer holds beyond the prediction: accelerate's
+    # DataLoaderShard fetches the next batch ahead (input_ids and labels, on
+    # the host in a CUDA run) and the Trainer keeps a few 0-d loss and
+    # grad-norm tensors (one 512 B block each). Anything a CUDA run holds
+    # more (a gradient copy, the fp32 logits) is far larger than this bound.
     batch_bytes = 2 * round_allocation(BATCH * SEQ * 8)
     extra = meas.allocated_bytes - pred.tensor_bytes
     assert 0 <= extra <= batch_bytes + 8 * 512, extra
