@@ -40,7 +40,6 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import transformers
-
     from llmem_plugin.integrations.colossalai import auto_booster
 
     logging.basicConfig(level=logging.WARNING)

@@ -135,7 +135,7 @@ def _cluster(cluster: Any) -> tuple[int, int]:
         raise ConfigError("a process group is already initialized, and the estimator traces under its own fake "
                           "one. HINT: plan before colossalai.launch_from_torch() (auto_booster launches it "
                           "for you), or pass cluster= to choose_plugin")
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return world, (world // local if local and world % local == 0 else 1)
 
@@ -233,7 +233,13 @@ def choose_plugin(
             already initialized with ``cluster=None``.
         WontFitError: Nothing fits; carries the plan.
     """
-    from llmem_plugin.integrations._common import check, choose, live_model, report_text, resolve_target
+    from llmem_plugin.integrations._common import (
+        check,
+        choose,
+        live_model,
+        report_text,
+        resolve_target,
+    )
 
     target, memory = resolve_target(gpu, gpu_memory)
     live = live_model(model)

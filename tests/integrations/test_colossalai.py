@@ -115,7 +115,7 @@ def test_precision_maps_to_the_workload_and_the_ddp_booster():
 
 def test_one_gpu_is_one_rank_ddp_estimated_as_such(model):
     opt = torch.optim.AdamW(model.parameters())
-    name, kwargs, plan = adapter.choose_plugin(model, opt, seq_len=64, gpu="h100-sxm", cluster=1, global_batch=2)
+    name, _, plan = adapter.choose_plugin(model, opt, seq_len=64, gpu="h100-sxm", cluster=1, global_batch=2)
     c = plan.choice
     assert name == "torch_ddp_bf16" and c.method == "ddp"
     wl = dataclasses.replace(plan.workload, micro_batch_size=c.micro_batch, grad_accum_steps=c.grad_accum,
@@ -198,7 +198,7 @@ def test_the_example_trains_in_one_process():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     out = subprocess.run([sys.executable, os.path.join(REPO, "examples", "colossalai_booster.py"), "--gpu",
                           "h100-sxm", "--steps", "3"], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("plugin: TorchDDPPlugin for ddp mb")
