@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 
-import llmem_plugin  # noqa: F401 - registers "llmem-auto"; before the Trainer is built
 import lightning.pytorch as pl
 import torch
 import transformers
 from lightning.pytorch.loggers import CSVLogger
+from llmem_plugin.integrations.lightning import LLMemAutoStrategy
 from torch.utils.data import DataLoader, Dataset
 
-from llmem_plugin.integrations.lightning import LLMemAutoStrategy
+import llmem_plugin  # noqa: F401 - registers "llmem-auto"; before the Trainer is built
 
 
 class RandomTokens(Dataset):

@@ -31,8 +31,15 @@ from typing import Any
 
 from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
 
-__all__ = ["LLMemAutoStrategy", "STRATEGY_NAME", "install_import_hook", "lightning_strategy", "methods_for",
-           "register", "strategy_class"]
+__all__ = [
+    "STRATEGY_NAME",
+    "LLMemAutoStrategy",  # noqa: F822 - built on first access (module __getattr__), Lightning loads then
+    "install_import_hook",
+    "lightning_strategy",
+    "methods_for",
+    "register",
+    "strategy_class",
+]
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +254,8 @@ def _first_optimizer(pl_module: Any) -> Any:
             return out
 
 
-def _first_batch(trainer: Any) -> tuple[Any, Any]:
-    """(dataloader, first batch) of the train source, read without touching
+def _first_batch(trainer: Any) -> Any:
+    """The first batch of the train source, read without touching
     the RNG streams training will draw from (a shuffling sampler seeds itself
     from torch's default generator: torch/utils/data/sampler.py, RandomSampler)."""
     import torch
@@ -266,12 +273,11 @@ def _first_batch(trainer: Any) -> tuple[Any, Any]:
         batch = next(it)
         del it
     random.setstate(state)
-    return loader, batch
+    return batch
 
 
 def _precision(trainer: Any, param_dtype: Any) -> Any:
     import torch
-
     from llmem_plugin.integrations import _common
 
     flag = str(trainer._accelerator_connector._precision_flag)
@@ -291,7 +297,7 @@ class _AutoStrategyMixin:
                  tolerance_pct: float | None = None, **ddp_kwargs: Any) -> None:
         from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT
 
-        margin = float(os.environ.get(ENV_MARGIN, 0.05)) if margin is None else margin
+        margin = float(os.environ.get(ENV_MARGIN, "0.05")) if margin is None else margin
         if not 0 <= margin < 1:
             raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. margin=0.05 keeps 5% free")
         if on_wont_fit not in _ON_WONT_FIT:
@@ -410,16 +416,16 @@ class _AutoStrategyMixin:
     def _inputs(self, trainer: Any, world: int) -> dict[str, Any]:
         """GPU, live model, workload and methods; LLMemError where the estimate cannot run."""
         from lightning_utilities.core.imports import module_available
-
         from llmem_plugin.integrations import _common
+
         from llmem_plugin.workload import Workload
 
         gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
         pl_module = self.lightning_module
         live = _common.live_model(pl_module)
         try:
-            loader, batch = _first_batch(trainer)
-        except Exception as e:  # noqa: BLE001 - a datamodule may build its data only in setup()
+            batch = _first_batch(trainer)
+        except Exception as e:
             raise LLMemError(f"the first training batch could not be read before setup(): {type(e).__name__}: "
                              f"{e}. HINT: build the dataset before fit, or pass seq_len= and a DataLoader") from e
         dims = _common.batch_dims(batch)
@@ -428,7 +434,7 @@ class _AutoStrategyMixin:
         micro_batch, seq_len = dims
         try:
             optimizer = _first_optimizer(pl_module)
-        except Exception as e:  # noqa: BLE001 - e.g. parameters that configure_model creates later
+        except Exception as e:
             raise LLMemError(f"configure_optimizers() failed before setup: {type(e).__name__}: {e}") from e
         kind = _optimizer_kind(optimizer)
         if kind is None:

@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 # Lightning has no entry point for strategies: register "llmem-auto" in its
 # StrategyRegistry now if it is loaded, else right after it is imported. No
 # Lightning package is imported here (integrations/lightning.py, install_import_hook).
-from llmem_plugin.integrations.lightning import install_import_hook as _install_lightning_hook  # noqa: E402
+from llmem_plugin.integrations import lightning as _lightning
 
-_install_lightning_hook()
-del _install_lightning_hook
+_lightning.install_import_hook()
+del _lightning
