@@ -32,10 +32,10 @@ import warnings
 from typing import Any
 
 import torch
+from llmem_plugin.integrations import _common
 from transformers import TrainerCallback
 
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
-from llmem_plugin.integrations import _common
 from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
 from llmem_plugin.workload import Precision, Workload
 

@@ -217,7 +217,10 @@ class PeakMeter:
             self._nvml = _Nvml(self.device.index or 0)
         else:
             if self._emulate:
-                from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, cuda_emulation
+                from llmem_plugin.emulation import (
+                    DEFAULT_COMPUTE_CAPABILITY,
+                    cuda_emulation,
+                )
 
                 self._emulation = cuda_emulation(autocast_dtype=self._autocast_dtype,
                                                  compute_capability=self._cc or DEFAULT_COMPUTE_CAPABILITY)

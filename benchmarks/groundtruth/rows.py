@@ -13,13 +13,14 @@ The schema (README.md repeats it) is what ``llmem validate`` reads::
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 from typing import Any
 
 from benchmarks.groundtruth.matrix import Case
+from llmem_plugin.verify import (
+    environment,  # the same environment record as the adapters' rows
+)
 
 __all__ = [
     "ENV_KEYS",
@@ -44,33 +45,6 @@ GPU_KEYS = ("name", "memory_bytes", "compute_capability", "idle_used_bytes")
 ENV_KEYS = ("torch", "transformers", "peft", "cuda", "cudnn", "driver", "python", "nvml_source",
             "PYTORCH_CUDA_ALLOC_CONF", "date", "host")
 STATUSES = ("ok", "oom", "error")
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
-
-
-def environment(*, driver: str | None = None, nvml_source: str | None = None) -> dict[str, Any]:
-    """Versions and host facts for the ``env`` field; touches no CUDA device."""
-    import torch
-
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "peft": _version("peft"),
-        "cuda": torch.version.cuda,
-        "cudnn": cudnn,
-        "driver": driver,
-        "python": platform.python_version(),
-        "nvml_source": nvml_source,
-        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "date": dt.date.today().isoformat(),
-        "host": platform.node(),
-    }
 
 
 def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: dict | None = None) -> dict:
