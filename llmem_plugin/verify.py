@@ -256,7 +256,7 @@ class PeakMeter:
         if self.device.type == "cuda":
             if not self._steps:
                 self.step_end(0)
-            used, source = self._nvml.used() if self._nvml else (None, None)
+            _, source = self._nvml.used() if self._nvml else (None, None)
             if source is None:
                 source = "cuda-mem-get-info"
             props = torch.cuda.get_device_properties(self.device)
