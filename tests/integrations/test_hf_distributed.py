@@ -65,8 +65,14 @@ def _run(out_dir, method: str, *, world: int, env: dict[str, str] | None = None)
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=REPO,
                           env={**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-               if line.startswith("LLMEM-RESULT ")]
+    # The ranks share one stdout: a rank's line can land right after the
+    # other's JSON, before its newline, so objects are decoded from each marker.
+    results, marker, decoder = [], "LLMEM-RESULT ", json.JSONDecoder()
+    pos = proc.stdout.find(marker)
+    while pos >= 0:
+        obj, end = decoder.raw_decode(proc.stdout, pos + len(marker))
+        results.append(obj)
+        pos = proc.stdout.find(marker, end)
     assert len(results) == world, proc.stdout[-3000:] + proc.stderr[-3000:]
     return sorted(results, key=lambda r: r["rank"])
 
