@@ -445,7 +445,8 @@ class _AutoStrategyMixin:
                             grad_accum_steps=int(trainer.accumulate_grad_batches),
                             precision=_precision(trainer, live.param_dtype), optimizer=kind,
                             grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
-                            attn_implementation=attn if attn in ("sdpa", "eager") else "auto")
+                            attn_implementation=attn if attn in ("sdpa", "eager") else "auto",
+                            runner="lightning")
         accelerator = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
         tensor_parallel = _overrides_configure_model(pl_module)
         methods = methods_for(accelerator, world_size=world, tensor_parallel=tensor_parallel,

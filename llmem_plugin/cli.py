@@ -30,9 +30,27 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 def _add_step_args(p: argparse.ArgumentParser) -> None:
     """Workload settings the planner keeps as the user set them."""
     p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed (default), fp16-mixed or bf16")
-    p.add_argument("--optimizer", default="adamw", help="adamw (foreach, default), adamw-fused, sgd or adafactor")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw (foreach, default), adamw-fused, adamw-forloop, sgd, adafactor, and bitsandbytes' "
+                        "adamw8bit, paged-adamw or paged-adamw8bit")
     p.add_argument("--attn", default="auto",
-                   help="attention implementation: auto (transformers' default: sdpa where supported), sdpa or eager")
+                   help="attention implementation: auto (transformers' default: sdpa where supported), sdpa, eager "
+                        "or flash_attention_2")
+    p.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
+                   help="bitsandbytes weights for the frozen base model (QLoRA; needs --lora-rank)")
+    p.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
+    p.add_argument("--loss", default="hf", metavar="{hf,liger,chunked}",
+                   help="loss: hf (the model's own, fp32 logits; default), liger (fused linear cross-entropy) "
+                        "or chunked (torchtune's chunked-output cross-entropy)")
+    p.add_argument("--loss-chunks", type=int, default=8, help="chunks for --loss chunked (default 8)")
+    p.add_argument("--logits-to-keep", type=int, default=0,
+                   help="compute logits and loss for only the last N tokens (default 0: all)")
+    p.add_argument("--offload-activations", nargs="?", const="streamed", default=None,
+                   metavar="{streamed,save-on-cpu}",
+                   help="offload saved activations to pinned host memory: streamed (TRL/torchtune "
+                        "OffloadActivations, the default when given bare) or save-on-cpu (torch.autograd.graph)")
+    p.add_argument("--reference-model", action="store_true",
+                   help="also run a frozen reference model's forward each step, as DPO does")
     p.add_argument("--lora-rank", type=int, default=None, help="enable LoRA with this rank")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--lora-targets", default=None,
@@ -89,7 +107,21 @@ def _workload(args: argparse.Namespace):
         grad_checkpointing=args.grad_checkpointing,
         lora=lora,
         attn_implementation=args.attn,
+        **_technique_fields(args),
     )
+
+
+def _technique_fields(args: argparse.Namespace) -> dict:
+    """The low-memory technique settings (``_add_step_args``) as Workload fields."""
+    return {
+        "quantize": args.quantize,
+        "double_quant": args.double_quant,
+        "loss": args.loss,
+        "loss_chunks": args.loss_chunks,
+        "logits_to_keep": args.logits_to_keep,
+        "offload_activations": args.offload_activations,
+        "reference_model": args.reference_model,
+    }
 
 
 def _parser_estimate(sub) -> None:
@@ -264,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     gpu, n = _plan_target(args)
     wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora=_lora(args),
-                  attn_implementation=args.attn)
+                  attn_implementation=args.attn, **_technique_fields(args))
     kw = {}
     if args.efficiency is not None:
         kw["efficiency"] = args.efficiency

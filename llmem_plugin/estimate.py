@@ -346,6 +346,9 @@ def estimate(
     """
     t0 = time.perf_counter()
     wl = _workload_from(workload, dict(workload_fields))
+    from llmem_plugin.techniques import check_supported
+
+    check_supported("single", wl)
     target = _resolve_gpu(gpu, gpu_memory)
     cc = target.compute_capability
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)

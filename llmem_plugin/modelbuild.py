@@ -130,6 +130,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise ConfigError(f"cannot build a causal LM from this config: {msg}") from None
     _check_moe_dtype(model, workload)
+    if workload.quantize is not None:
+        from llmem_plugin.quant import quantize_model
+
+        model = quantize_model(model, workload)
     model.train()
     if workload.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -148,6 +152,12 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
 
 def _attn_arg(workload: Workload) -> str | None:
     value = workload.attn_implementation.value
+    if value == "flash_attention_2":
+        # The flash-attn package cannot run here (CUDA only): an emulation
+        # with its allocations is registered under its own name.
+        from llmem_plugin.emulation.flash import attn_implementation_name
+
+        return attn_implementation_name()
     return None if value == "auto" else value
 
 

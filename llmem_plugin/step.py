@@ -43,6 +43,28 @@ def _outputs_to_fp32(out):
     return type(out)(**converted)
 
 
+def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, workload: Workload):
+    """The model's forward with its loss, as the workload computes it; returns
+    a mapping with ``"loss"``."""
+    from llmem_plugin.workload import LossImpl
+
+    if workload.loss is LossImpl.HF and not workload.logits_to_keep:
+        return model(input_ids=input_ids, labels=labels, use_cache=False)
+    from llmem_plugin.loss import forward_with_loss
+
+    return forward_with_loss(model, input_ids, labels, workload)
+
+
+def _activation_offload(workload: Workload, tracker: MemoryTracker) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context that offloads saved activations for one
+    micro-batch (``workload.offload_activations``), or of a null context."""
+    if workload.offload_activations is None:
+        return contextlib.nullcontext
+    from llmem_plugin.actoffload import offload_context
+
+    return lambda: offload_context(workload.offload_activations, tracker)
+
+
 def make_optimizer(params: Iterable[nn.Parameter], kind: OptimizerKind) -> torch.optim.Optimizer:
     """The optimizer a CUDA run builds for ``kind``, with its CUDA implementation.
 
@@ -55,6 +77,12 @@ def make_optimizer(params: Iterable[nn.Parameter], kind: OptimizerKind) -> torch
         return torch.optim.AdamW(params, lr=_LR, foreach=True)
     if kind is OptimizerKind.ADAMW_FUSED:
         return torch.optim.AdamW(params, lr=_LR, fused=True)
+    if kind is OptimizerKind.ADAMW_FORLOOP:
+        return torch.optim.AdamW(params, lr=_LR, foreach=False)
+    if kind.is_bitsandbytes:
+        from llmem_plugin.optim import make_bnb_optimizer
+
+        return make_bnb_optimizer(params, kind, lr=_LR)
     if kind is OptimizerKind.SGD:
         # momentum 0.9: the usual fine-tuning setting; momentum=0 keeps no state.
         return torch.optim.SGD(params, lr=_LR, momentum=0.9, foreach=True)
@@ -125,6 +153,7 @@ def trace_step(
     autocast: bool = True,
     offload: bool = False,
     hooks: StepHooks | None = None,
+    reference: Callable[[torch.Tensor], object] | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -151,6 +180,9 @@ def trace_step(
             gradients and optimizer states count as host memory and the
             optimizer step, which runs on the host, is not traced.
         hooks: An engine's :class:`StepHooks` (the plain loop's if None).
+        reference: A frozen reference model's forward (``workload.reference_model``):
+            called with each micro-batch's input ids before the policy
+            forward; what it returns is kept until the micro-batch ends.
 
     Returns:
         The replayed trace.
@@ -167,6 +199,8 @@ def trace_step(
     # HF Trainer's additions run where its own loop runs them: around the
     # plain and DDP steps (engines with their own step clip and cast themselves).
     hf = workload.runner is Runner.HF_TRAINER and hooks is None
+    lightning = workload.runner is Runner.LIGHTNING and hooks is None
+    offload_ctx = _activation_offload(workload, tracker)
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
         for ctx in contexts:
@@ -195,24 +229,32 @@ def trace_step(
                     # As HF Trainer's compute_loss: forward and loss inside
                     # autocast, backward outside (the autocast weight-cast
                     # cache is freed when the region exits).
-                    if hf:
-                        with autocast_region(autocast_dtype):
-                            out = model(input_ids=input_ids, labels=labels, use_cache=False)
-                        if autocast_dtype is not None:
-                            out = _outputs_to_fp32(out)
-                        loss = out["loss"]
-                        del out
-                        loss = loss / workload.grad_accum_steps
-                    else:
-                        with autocast_region(autocast_dtype):
-                            out = model(input_ids=input_ids, labels=labels, use_cache=False)
-                            loss = out.loss / workload.grad_accum_steps
+                    if reference is not None:
+                        # DPO-style: the frozen reference's forward under no_grad first.
+                        ref_out = reference(input_ids)
+                    with offload_ctx():
+                        if hf:
+                            with autocast_region(autocast_dtype):
+                                out = _forward(model, input_ids, labels, workload)
+                            if autocast_dtype is not None:
+                                out = _outputs_to_fp32(out)
+                            loss = out["loss"]
                             del out
-                    # What the forward leaves alive is what backward needs.
-                    tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
-                    tracker.set_phase(Phase.BACKWARD)
-                    loss.backward()
+                            loss = loss / workload.grad_accum_steps
+                        else:
+                            with autocast_region(autocast_dtype):
+                                out = _forward(model, input_ids, labels, workload)
+                                loss = out["loss"] / workload.grad_accum_steps
+                                del out
+                        # What the forward leaves alive is what backward needs.
+                        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
+                        if lightning and mb == 0:
+                            optimizer.zero_grad(set_to_none=True)
+                        tracker.set_phase(Phase.BACKWARD)
+                        loss.backward()
                     del loss, input_ids, labels
+                    if reference is not None:
+                        del ref_out
                     tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)
                     hooks.end_backward(it, mb)
                 tracker.set_phase(Phase.OPTIMIZER)
@@ -225,6 +267,7 @@ def trace_step(
                 if stepped is not None:
                     tracker.label(state_tensors(stepped), held or MemoryCategory.OPTIMIZER_STATE)
                     tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
-                optimizer.zero_grad(set_to_none=True)
+                if not lightning:
+                    optimizer.zero_grad(set_to_none=True)
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

@@ -72,6 +72,9 @@ def estimate_method(
     if name not in reg:
         raise ConfigError(f"unknown method '{name}'; valid: {', '.join(reg)}. HINT: pass --method with one of them")
     mod, settings = reg[name]
+    from llmem_plugin.techniques import check_supported
+
+    check_supported(name, workload)
     fn = importlib.import_module(f"llmem_plugin.methods.{mod}").estimate
     if not isinstance(gpu, GPU):
         from llmem_plugin.estimate import _resolve_gpu
