@@ -61,7 +61,7 @@ class Estimate:
         peak_reserved_bytes: Peak of segments held by the caching allocator
             (``torch.cuda.max_memory_reserved``).
         device_total_bytes: Reserved plus what lies outside the allocator
-            (CUDA context, NCCL): the device's used memory in nvidia-smi.
+            (CUDA context, NCCL, ``paged_bytes``): the device's used memory in nvidia-smi.
         fits: Whether the step runs within ``capacity_bytes`` (the simulated
             allocator frees its cache and retries before giving up, as torch does).
         overheads: The device overheads used.
@@ -107,6 +107,10 @@ class Estimate:
     fast: bool
     seconds: float
     memory_timeline: list[tuple[int, str, int, int]] = field(default_factory=list, repr=False)
+    # Paged optimizer states in CUDA managed memory (llmem_plugin.optim): in
+    # device_total_bytes while resident, not in allocated/reserved, and not in
+    # the fits verdict (the driver evicts them to the host under pressure).
+    paged_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +137,7 @@ class Estimate:
             "fast": self.fast,
             "seconds": round(self.seconds, 4),
             "memory_timeline": [list(point) for point in self.memory_timeline],
+            "paged_bytes": self.paged_bytes,
         }
 
 
@@ -354,6 +359,9 @@ def estimate(
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     full = modelbuild.build_model(model, wl, device="meta")
     params, trainable = _count_params(full)
+    from llmem_plugin.optim import paged_state_bytes
+
+    paged = paged_state_bytes([p for p in full.parameters() if p.requires_grad], wl.optimizer)
     model_config = getattr(full, "config", None)
     depth = modelbuild.num_layers(model_config) if model_config is not None else 0
     overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=uses_cublaslt(full))
@@ -394,7 +402,7 @@ def estimate(
         peak_tensor_bytes=result.peak_bytes,
         peak_allocated_bytes=sim.peak_allocated_bytes,
         peak_reserved_bytes=sim.peak_reserved_bytes,
-        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes,
+        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes + paged,
         fits=fits,
         overheads=overheads,
         fragmentation=sim.fragmentation,
@@ -407,6 +415,7 @@ def estimate(
         fast=fast,
         seconds=time.perf_counter() - t0,
         memory_timeline=memory_timeline,
+        paged_bytes=paged,
     )
 
 

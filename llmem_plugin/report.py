@@ -73,6 +73,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     per_gpu.add_row("CUDA context", gib(ov.cuda_context_bytes), "outside the allocator")
     if ov.nccl_bytes:
         per_gpu.add_row("NCCL buffers", gib(ov.nccl_bytes), "outside the allocator")
+    if est.paged_bytes:
+        per_gpu.add_row("paged optimizer states", gib(est.paged_bytes), "CUDA managed memory, evictable to host")
     verdict = "fits" if est.fits else "does NOT fit"
     headroom = est.capacity_bytes - est.device_total_bytes
     per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
