@@ -130,6 +130,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise ConfigError(f"cannot build a causal LM from this config: {msg}") from None
     _check_moe_dtype(model, workload)
+    if workload.attn_implementation.value == "flash_attention_2":
+        from llmem_plugin.emulation.flash import check_model
+
+        check_model(model)
     if workload.quantize is not None:
         from llmem_plugin.quant import quantize_model
 
