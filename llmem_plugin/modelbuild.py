@@ -215,6 +215,10 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
+    from llmem_plugin.quant import lora_custom_modules
+
+    if custom := lora_custom_modules(model):  # 4-bit stand-ins take peft's 4-bit LoRA layer
+        cfg._register_custom_module(custom)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return peft.get_peft_model(model, cfg)

@@ -1,0 +1,549 @@
+"""QLoRA: bitsandbytes 4-bit base weights under LoRA, as allocation-exact stand-ins.
+
+:func:`quantize_model` replaces the linear layers that transformers' bitsandbytes
+integration replaces with :class:`Linear4bitStandIn` modules whose parameter and
+buffers have exactly the shapes and dtypes bitsandbytes keeps on the GPU, then
+applies what ``peft.prepare_model_for_kbit_training`` does to the parameters.
+Their forward and backward allocate what bitsandbytes' CUDA path allocates
+(:class:`_MatMul4Bit`).
+
+Sources (versions installed here):
+
+* ``[T]`` transformers 5.23 ``integrations/bitsandbytes.py`` (``replace_with_bnb_linear``:
+  every ``type(m) is nn.Linear`` or ``Conv1D`` not matched by
+  ``quantizers_utils.should_convert_module``) and ``quantizers/quantizer_bnb_4bit.py``
+  (``modules_to_not_convert`` = ``quantizers/base.get_keys_to_not_convert``: tied
+  weights, the last parameter's module, the output embeddings; plus
+  ``model._keep_in_fp32_modules``); ``utils/quantization_config.py``
+  ``BitsAndBytesConfig`` (quant storage uint8 by default).
+* ``[B]`` bitsandbytes 0.50.2 ``functional.py`` ``quantize_4bit`` / ``quantize_blockwise``,
+  ``_ops.py`` (the fake kernels give the stored shapes), ``nn/modules.py``
+  ``Params4bit`` (blocksize 64 when None) and ``Linear4bit.forward``.
+* ``[P]`` peft 0.21.2 ``utils/other.py`` ``prepare_model_for_kbit_training`` and
+  ``tuners/lora/bnb.py`` (the LoRA layer peft puts on a ``Linear4bit``).
+
+Known limitations:
+
+* 8-bit LLM.int8 (outlier columns depend on the data) is refused, not modelled.
+* Only the default uint8 quant storage (no FSDP/ZeRO-3 float storage).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.workload import Precision, Quantization, Workload
+
+__all__ = [
+    "Linear4bitStandIn",
+    "QuantSpec",
+    "lora_custom_modules",
+    "matmul_4bit",
+    "quant_spec",
+    "quantize_model",
+    "stored_shapes",
+    "unsupported",
+    "uses_fused_kernel",
+]
+
+# [B] nn/modules.py Params4bit.__new__: ``blocksize = 64`` when None, and
+# transformers [T] creates Linear4bit without a blocksize.
+BLOCKSIZE = 64
+# [B] functional.py quantize_4bit: ``quantize_blockwise(_absmax - offset, blocksize=256)``.
+NESTED_BLOCKSIZE = 256
+# [B] functional.py get_4bit_type: 16 code values (fp32, ``torch.tensor`` of floats).
+CODE_ENTRIES = 16
+# [B] functional.py create_dynamic_map (the signed 8-bit dynamic map): 256 fp32 values,
+# copied per quantization (``code.to(A.device, copy=True)`` in quantize_blockwise).
+NESTED_CODE_ENTRIES = 256
+
+# Methods that run QLoRA as the single-GPU step does: DDP replicates the
+# frozen 4-bit model and all-reduces only the LoRA gradients.
+_SUPPORTED_METHODS = ("single", "ddp")
+_TENSOR_PARALLEL = ("tp", "dp-tp", "fsdp-tp", "hybrid")
+_COLOSSAL = ("gemini", "lowlevel-zero1", "lowlevel-zero2")
+_OFFLOAD = ("zero2-offload", "zero3-offload")
+_FLOAT_STORAGE = ("fsdp", "hsdp", "zero3")
+
+
+class QuantSpec:
+    """How one workload quantizes: the bitsandbytes ``Linear4bit`` settings.
+
+    Attributes:
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        double_quant: ``compress_statistics`` (``bnb_4bit_use_double_quant``).
+        compute_dtype: ``bnb_4bit_compute_dtype``: the autocast dtype under
+            mixed precision, bf16 for pure bf16, fp32 for fp32.
+        quant_dtype: The dtype the weights had when quantized
+            (``QuantState.dtype``, what ``dequantize_4bit`` returns). The
+            QLoRA recipe loads the model in the compute dtype
+            (``torch_dtype == bnb_4bit_compute_dtype``), so it is the same.
+    """
+
+    def __init__(self, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype) -> None:
+        self.quant_type = quant_type
+        self.double_quant = double_quant
+        self.compute_dtype = compute_dtype
+        self.quant_dtype = compute_dtype
+
+
+def quant_spec(workload: Workload) -> QuantSpec:
+    """The :class:`QuantSpec` of ``workload`` (which must quantize to 4 bits).
+
+    Raises:
+        ConfigError: int8, which is not modelled.
+    """
+    if workload.quantize is Quantization.INT8:
+        raise ConfigError(_INT8_REASON)
+    assert workload.quantize in (Quantization.NF4, Quantization.FP4), workload.quantize
+    p = workload.precision
+    compute = p.autocast_dtype or (torch.bfloat16 if p is Precision.BF16 else torch.float32)
+    return QuantSpec(quant_type=workload.quantize.value, double_quant=workload.double_quant, compute_dtype=compute)
+
+
+_INT8_REASON = (
+    "--quantize int8 (bitsandbytes LLM.int8) is not modelled: its matmul splits out outlier columns "
+    "whose number depends on the data. HINT: use --quantize nf4 (QLoRA) instead"
+)
+
+
+def stored_shapes(out_features: int, in_features: int, *, double_quant: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What bitsandbytes stores on the GPU for one 4-bit ``(out, in)`` weight.
+
+    Every tensor lives on the GPU in a CUDA run (``Params4bit._quantize``
+    moves the weight to the device and quantizes it there, so the
+    ``QuantState`` tensors are created on the device too).
+
+    Args:
+        out_features: Rows of the weight.
+        in_features: Columns of the weight.
+        double_quant: Whether the absmax statistics are quantized too.
+
+    Returns:
+        Name -> (shape, dtype), with the names of the stand-in's tensors.
+    """
+    n = out_features * in_features
+    blocks = math.ceil(n / BLOCKSIZE)
+    # [B] _ops.py quantize_4bit fake: ((n + 1) // (itemsize * 2), 1) of quant_storage
+    # (uint8: two 4-bit values per byte), absmax fp32 of ceil(n / blocksize).
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"weight": (((n + 1) // 2, 1), torch.uint8)}
+    shapes["quant_code"] = ((CODE_ENTRIES,), torch.float32)
+    if not double_quant:
+        shapes["absmax"] = ((blocks,), torch.float32)
+        return shapes
+    # [B] _ops.py quantize_blockwise fake: out = empty_like(A, uint8), absmax fp32
+    # of ceil(blocks / 256); functional.py: offset = _absmax.mean() (0-dim fp32).
+    shapes["absmax"] = ((blocks,), torch.uint8)
+    shapes["nested_absmax"] = ((math.ceil(blocks / NESTED_BLOCKSIZE),), torch.float32)
+    shapes["nested_code"] = ((NESTED_CODE_ENTRIES,), torch.float32)
+    shapes["absmax_offset"] = ((), torch.float32)
+    return shapes
+
+
+class Linear4bitStandIn(nn.Linear):
+    """A ``bitsandbytes.nn.Linear4bit`` with its device tensors as parameter and buffers.
+
+    Subclasses ``nn.Linear`` as ``Linear4bit`` does (peft's ``all-linear``
+    and target checks see a linear layer). ``weight`` is the packed frozen
+    ``Params4bit``; the ``QuantState`` tensors are buffers so that the trace
+    registers them as model memory.
+
+    Known limitations:
+        The bias, when present, is kept in the compute dtype: ``Linear4bit.forward``
+        casts ``bias.data`` to the input's compute dtype in place on its first call.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, spec: QuantSpec,
+                 device: torch.device | str) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.quant_type = spec.quant_type
+        self.double_quant = spec.double_quant
+        self.compute_dtype = spec.compute_dtype
+        self.quant_dtype = spec.quant_dtype
+        self.blocksize = BLOCKSIZE
+        shapes = stored_shapes(out_features, in_features, double_quant=spec.double_quant)
+        weight_shape, weight_dtype = shapes.pop("weight")
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=weight_dtype, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=spec.compute_dtype, device=device),
+                                  requires_grad=False) if bias else None)
+        for name, (shape, dtype) in shapes.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+
+    @classmethod
+    def from_linear(cls, module: nn.Module, spec: QuantSpec) -> Linear4bitStandIn:
+        """Replace ``module`` (``nn.Linear`` or transformers ``Conv1D``); a real
+        weight is quantized with bitsandbytes, a meta one only shaped."""
+        weight = module.weight
+        if isinstance(module, nn.Linear):
+            in_features, out_features = module.in_features, module.out_features
+        else:  # Conv1D stores (in, out); [T] transposes it before quantizing.
+            in_features, out_features = weight.shape
+            weight = weight.t()
+        new = cls(in_features, out_features, bias=module.bias is not None, spec=spec, device=weight.device)
+        if weight.device.type != "meta":
+            new._quantize_from(weight.detach(), module.bias)
+        return new
+
+    def _quantize_from(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        try:
+            import bitsandbytes.functional as bnbf
+        except ImportError:
+            raise ImportError("quantizing real weights needs bitsandbytes: pip install bitsandbytes") from None
+        packed, state = bnbf.quantize_4bit(
+            weight.contiguous().to(self.quant_dtype), blocksize=self.blocksize,
+            compress_statistics=self.double_quant, quant_type=self.quant_type,
+        )
+        with torch.no_grad():
+            self.weight.copy_(packed)
+            self.quant_code.copy_(state.code)
+            self.absmax.copy_(state.absmax)
+            if self.double_quant:
+                self.nested_absmax.copy_(state.state2.absmax)
+                self.nested_code.copy_(state.state2.code)
+                self.absmax_offset.copy_(state.offset)
+            if bias is not None:
+                self.bias.copy_(bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [B] nn/modules.py Linear4bit.forward: input cast to compute_dtype,
+        # matmul_4bit, output cast back to the input's dtype.
+        inp_dtype = x.dtype
+        out = matmul_4bit(x.to(self.compute_dtype), self)
+        return out.to(inp_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"quant_type={self.quant_type}, double_quant={self.double_quant}")
+
+
+def _keys_to_not_convert(model: nn.Module) -> list[str]:
+    """transformers' own ``modules_to_not_convert`` for ``model`` ([T])."""
+    from transformers import PreTrainedModel
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(
+            f"--quantize needs a transformers model (bitsandbytes quantization is applied by "
+            f"from_pretrained), not {type(model).__name__}. HINT: pass a catalog name or a config.json"
+        )
+    keys = list(get_keys_to_not_convert(model))
+    keys.extend(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return sorted(set(keys))
+
+
+def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
+    """Quantize ``model``'s linear layers as transformers + bitsandbytes do,
+    then apply ``prepare_model_for_kbit_training``'s parameter changes.
+
+    Called on the meta model (or a real CPU model, whose weights are then
+    really quantized), before gradient checkpointing and LoRA.
+
+    ``prepare_model_for_kbit_training`` ([P]) freezes every parameter and
+    casts every fp16/bf16 parameter that is not a ``Params4bit`` to fp32
+    (embeddings, norms, the LM head: why QLoRA can hold more than LoRA in
+    pure bf16). Its gradient-checkpointing default is not applied:
+    ``workload.grad_checkpointing`` stays the switch, as when a trainer
+    passes its own setting (TRL's ``SFTTrainer`` passes
+    ``args.gradient_checkpointing``); with the non-reentrant checkpointing
+    used here peft adds no input-gradient hook either ([P]: only when
+    ``use_reentrant`` is unset or True).
+
+    Args:
+        model: A transformers causal LM.
+        workload: Its ``quantize``, ``double_quant`` and ``precision``.
+
+    Returns:
+        The same model, modified in place.
+
+    Raises:
+        ConfigError: int8, a non-transformers model, or no linear layer to quantize.
+    """
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    spec = quant_spec(workload)
+    skip = _keys_to_not_convert(model)
+    targets = [(name, m) for name, m in model.named_modules()
+               if (type(m) is nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
+    if not targets:
+        raise ConfigError(f"{type(model).__name__} has no linear layer bitsandbytes would quantize. "
+                          "HINT: drop --quantize")
+    for name, m in targets:
+        model.set_submodule(name, Linear4bitStandIn.from_linear(m, spec))
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.to(torch.float32)
+    # peft checks these to treat the model as a k-bit one ([P]).
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def lora_custom_modules(model: nn.Module) -> dict[type[nn.Module], type[nn.Module]]:
+    """The peft ``LoraConfig._register_custom_module`` mapping ``model`` needs:
+    stand-ins take the LoRA layer peft gives a bitsandbytes ``Linear4bit``."""
+    if not any(isinstance(m, Linear4bitStandIn) for m in model.modules()):
+        return {}
+    return {Linear4bitStandIn: _lora_layer_class()}
+
+
+def unsupported(method: str, workload: Workload) -> str | None:
+    """Why ``method`` cannot run ``workload``'s quantization, or None.
+
+    Args:
+        method: ``"single"`` or a ``methods.method_names()`` entry.
+        workload: The workload.
+
+    Returns:
+        One sentence with a HINT, or None when the combination is modelled.
+    """
+    if workload.quantize is None:
+        return None
+    q = workload.quantize.value
+    if workload.quantize is Quantization.INT8:
+        return _INT8_REASON
+    if method in _SUPPORTED_METHODS:
+        return None
+    if method in _TENSOR_PARALLEL:
+        return (f"--quantize {q} with --method {method} is not supported: tensor parallelism cannot split "
+                "bitsandbytes' packed 4-bit weights. HINT: use --method ddp, or drop --quantize")
+    if method in _COLOSSAL:
+        return (f"--quantize {q} with --method {method} is not supported: ColossalAI plugins do not shard "
+                "bitsandbytes 4-bit weights. HINT: use --method ddp, or drop --quantize")
+    if method in _OFFLOAD:
+        return (f"--quantize {q} with --method {method} is not modelled: offloading a QLoRA model moves only "
+                "the small LoRA optimizer states. HINT: use --method ddp")
+    if method in _FLOAT_STORAGE:
+        return (f"--quantize {q} with --method {method} is not modelled: sharding QLoRA needs a float quant "
+                "storage (bnb_4bit_quant_storage=bf16) that this estimate does not shard. HINT: use --method ddp")
+    return (f"--quantize {q} with --method {method} is not modelled (only single-GPU and DDP QLoRA are). "
+            "HINT: use --method ddp, or drop --quantize")
+
+
+# ----------------------------------------------------------------------------- the CUDA matmul
+
+# [B] backends/cuda/ops.py (CUDA builds): gemm_4bit takes the dequantize +
+# F.linear fallback past ``_gemm_4bit_custom_max_m`` rows, and always runs the
+# fused kernel up to ``_GEMM_4BIT_CUSTOM_FLOOR_M`` rows; in between
+# ``_gemm_4bit_use_custom_cuda`` decides, with the small-weight tiers below
+# ``N * K < 4 * 1024 * 1024``.
+_CUSTOM_MAX_M = 1536
+_CUSTOM_FLOOR_M = 4
+_SMALL_WEIGHT = 4 * 1024 * 1024
+_N_TILE = 64  # n_blocks = (N + 63) // 64
+
+
+def uses_fused_kernel(m: int, n: int, k: int, dtype: torch.dtype, *, compute_capability: tuple[int, int],
+                      num_sms: int) -> bool:
+    """Whether bitsandbytes' CUDA ``gemm_4bit`` runs its fused kernel (which
+    allocates only its output) instead of dequantize + ``F.linear``.
+
+    Follows ``_gemm_4bit_use_custom_cuda`` ([B] backends/cuda/ops.py) for
+    sm80, sm90 and sm100, for the shapes a training step has.
+
+    Args:
+        m: Rows of the input (tokens), ``n``/``k``: the weight's (out, in).
+        dtype: The compute dtype.
+        compute_capability: The GPU's ``(major, minor)``.
+        num_sms: Its multiprocessor count.
+
+    Raises:
+        UnsupportedError: a GPU or a shape whose tiers are not modelled.
+    """
+    from llmem_plugin.errors import UnsupportedError
+
+    if m > _CUSTOM_MAX_M or k % BLOCKSIZE:
+        return False
+    if m <= _CUSTOM_FLOOR_M:
+        return True
+    major, minor = compute_capability
+    if dtype == torch.float32:  # no MMA kernel in fp32: SIMT wins below 8 rows only
+        return m < 8
+    n_blocks = (n + _N_TILE - 1) // _N_TILE
+    if major == 10:
+        if n_blocks >= num_sms * 3:
+            return m <= 32
+        if n_blocks >= num_sms:
+            return False if k >= n else m <= 8
+        return False
+    sm80 = (major, minor) == (8, 0)
+    if not (sm80 or major == 9):
+        raise UnsupportedError(
+            f"bitsandbytes' 4-bit matmul kernel choice is not modelled for compute capability "
+            f"{major}.{minor} at {m} tokens. HINT: use an A100, H100/H200 or B200, or seq_len*batch > {_CUSTOM_MAX_M}")
+    if n * k < _SMALL_WEIGHT:
+        if 2 * k < n:  # very short K: calibrated M caps, by wave occupancy
+            low_wave = n_blocks * 3 < num_sms
+            if sm80:
+                return m <= (1536 if low_wave else 512)
+            return m <= (512 if low_wave else 320)
+        quarter_wave = n_blocks * 4 <= num_sms
+        if sm80 and quarter_wave:
+            if k >= n:
+                return m <= (32 if n_blocks * 8 <= num_sms else 128)
+            return m <= 384
+        if quarter_wave:
+            return m <= 32
+        if n_blocks * 2 <= num_sms:
+            return m <= 16
+        return False
+    if m > 512:
+        return False
+    raise UnsupportedError(
+        f"bitsandbytes' 4-bit matmul kernel choice for a {n}x{k} weight at {m} tokens is not modelled. "
+        f"HINT: use seq_len*batch > 512")
+
+
+def _target() -> tuple[tuple[int, int], int]:
+    """The emulated GPU's compute capability and SM count (set by the trace)."""
+    from llmem_plugin.emulation import sdpa
+
+    t = sdpa._active_target
+    return t.compute_capability, t.num_sms
+
+
+def _dequantized(layer: Linear4bitStandIn) -> torch.Tensor:
+    """The real dequantized weight (for values only: call untracked)."""
+    import bitsandbytes.functional as bnbf
+
+    state2 = None
+    if layer.double_quant:
+        state2 = bnbf.QuantState(absmax=layer.nested_absmax, code=layer.nested_code,
+                                 blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+    state = bnbf.QuantState(
+        absmax=layer.absmax, shape=torch.Size((layer.out_features, layer.in_features)), code=layer.quant_code,
+        blocksize=layer.blocksize, quant_type=layer.quant_type, dtype=layer.quant_dtype,
+        offset=layer.absmax_offset if layer.double_quant else None, state2=state2,
+    )
+    return bnbf.dequantize_4bit(layer.weight, state)
+
+
+def _fill(out: torch.Tensor, compute) -> None:
+    """On real tensors, copy the untracked ``compute()`` into ``out``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from llmem_plugin._pause import untracked
+
+    if isinstance(out, FakeTensor):
+        return
+    with untracked():
+        value = compute()
+    out.copy_(value)
+    del value
+
+
+class _MatMul4Bit(torch.autograd.Function):
+    """bitsandbytes' ``MatMul4Bit`` ([B] autograd/_functions.py) with the CUDA
+    kernels' allocations: nothing is saved for backward but the packed weight
+    (a parameter); the backward dequantizes again for the input gradient."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
+        ctx.layer = layer
+        n, k = layer.out_features, layer.in_features
+        cc, sms = _target()
+        shape = (*a.shape[:-1], n)
+        bias = layer.bias
+        if uses_fused_kernel(a.numel() // k, n, k, a.dtype, compute_capability=cc, num_sms=sms):
+            a = a.contiguous()  # _gemm_4bit_kernel_impl reads A row-major
+            out = torch.empty(shape, dtype=a.dtype, device=a.device)
+            _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), bias))
+            return out
+        # _dequant_linear_fallback: rebuild the nested absmax (fp32, then + offset),
+        # dequantize into B_dq (N, K) of A's dtype, F.linear; all freed on return.
+        blocks = layer.absmax.numel()
+        nested = []
+        if layer.double_quant:
+            nested = [torch.empty(blocks, dtype=torch.float32, device=a.device) for _ in range(2)]
+        w = torch.empty((n, k), dtype=a.dtype, device=a.device)
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+        _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), bias))
+        del w, nested
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        layer = ctx.layer
+        # F.dequantize_4bit: nested absmax dequantized to fp32 (the offset is
+        # added in place), freed when it returns; the weight in QuantState.dtype.
+        absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=grad_output.device)
+                  if layer.double_quant else None)
+        w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=grad_output.device)
+        del absmax
+        # quant_dtype == compute dtype (QuantSpec), so ``.to(grad_output.dtype)`` copies nothing.
+        assert w.dtype == grad_output.dtype, (w.dtype, grad_output.dtype)
+        g = grad_output.contiguous()  # matmul folds a contiguous (.., N) grad into one mm
+        grad_a = torch.empty((*g.shape[:-1], layer.in_features), dtype=g.dtype, device=g.device)
+        _fill(grad_a, lambda: torch.matmul(g, _dequantized(layer).to(g.dtype)))
+        del w
+        return grad_a, None
+
+
+def matmul_4bit(a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
+    """``bitsandbytes.matmul_4bit(a, layer.weight, quant_state)`` with its CUDA allocations.
+
+    Without a gradient to track ([B] matmul_4bit ``needs_grad``) the same
+    ``gemm_4bit`` runs outside autograd; the allocations are the forward's.
+    """
+    if torch.is_grad_enabled() and a.requires_grad:
+        return _MatMul4Bit.apply(a, layer)
+    with torch.no_grad():
+        return _MatMul4Bit.forward(_NoCtx(), a, layer)
+
+
+class _NoCtx:
+    """A stand-in ``ctx`` for the no-grad call of the forward."""
+
+
+def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's LoRA forward on a bitsandbytes ``Linear4bit`` ([P] tuners/lora/bnb.py).
+
+    The base output is cloned (peft does it defensively for 4-bit); inputs are
+    cast to the adapter dtype, and the adapter output back, only outside
+    autocast. peft asks ``torch.is_autocast_enabled()`` (CUDA's region); the
+    trace's region is CPU autocast, so the input's device type is asked.
+    """
+    from llmem_plugin.errors import UnsupportedError
+
+    self._check_forward_args(x, *args, **kwargs)
+    if kwargs.get("adapter_names") is not None:
+        raise UnsupportedError("mixed-adapter batches on 4-bit layers are not modelled. HINT: use one adapter")
+    if self.disable_adapters or self.merged:
+        return self.base_layer(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs).clone()
+    convert = not torch.is_autocast_enabled(x.device.type)
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        if name in self.lora_variant:
+            raise UnsupportedError("LoRA variants (DoRA, aLoRA) on 4-bit layers are not modelled. HINT: plain LoRA")
+        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        if convert:
+            expected = result.dtype
+            x = self._cast_input_dtype(x, lora_a.weight.dtype)
+        output = lora_b(lora_a(self.lora_dropout[name](x))) * self.scaling[name]
+        if convert:
+            output = output.to(expected)
+        result = result + output
+    return result
+
+
+_LORA_CLASS: list[type[nn.Module]] = []
+
+
+def _lora_layer_class() -> type[nn.Module]:
+    """peft's default LoRA ``Linear`` with the 4-bit forward (built once)."""
+    if not _LORA_CLASS:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        _LORA_CLASS.append(type("Lora4bitLinear", (LoraLinear,), {"forward": _lora_forward,
+                                                                 "__module__": __name__}))
+    return _LORA_CLASS[0]

@@ -1,0 +1,221 @@
+"""QLoRA stand-ins: stored bytes against bitsandbytes' layout and real
+quantize_4bit outputs, the matmul's CUDA allocations against MatMul4Bit's
+source, and the fake trace against a real CPU run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from llmem_plugin import modelbuild, quant
+from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.methods import method_names
+from llmem_plugin.step import trace_step
+from llmem_plugin.techniques import check_supported
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, round_allocation
+from llmem_plugin.workload import LoraSpec, Workload
+
+from ..conftest import tiny_config
+
+bnbf = pytest.importorskip("bitsandbytes.functional")
+
+SHAPES = [(256, 128), (33, 7), (100, 3), (160, 64), (4096, 520)]
+
+
+def closed_form_tensors(out_features: int, in_features: int, double_quant: bool) -> list[int]:
+    """bitsandbytes 0.50.2 layout, bytes per stored tensor: two 4-bit values
+    per uint8, one fp32 absmax per 64 values, a 16-entry fp32 code; double
+    quant: uint8 absmax, fp32 absmax per 256 of them, a 256-entry fp32 code
+    and an fp32 offset."""
+    n = out_features * in_features
+    blocks = math.ceil(n / 64)
+    packed = [math.ceil(n / 2), 16 * 4]
+    if not double_quant:
+        return packed + [4 * blocks]
+    return packed + [blocks, 4 * math.ceil(blocks / 256), 256 * 4, 4]
+
+
+def closed_form_bytes(out_features: int, in_features: int, double_quant: bool) -> int:
+    return sum(closed_form_tensors(out_features, in_features, double_quant))
+
+
+def standin_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_stored_tensors_equal_bitsandbytes(shape, double_quant, quant_type):
+    out_f, in_f = shape
+    torch.manual_seed(0)
+    linear = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
+    spec = quant.QuantSpec(quant_type=quant_type, double_quant=double_quant, compute_dtype=torch.bfloat16)
+    layer = quant.Linear4bitStandIn.from_linear(linear, spec)
+    packed, state = bnbf.quantize_4bit(linear.weight.detach(), blocksize=64, compress_statistics=double_quant,
+                                       quant_type=quant_type)
+    real = {"weight": packed, "quant_code": state.code, "absmax": state.absmax}
+    if double_quant:
+        real.update(nested_absmax=state.state2.absmax, nested_code=state.state2.code, absmax_offset=state.offset)
+    mine = dict(layer.named_parameters()) | dict(layer.named_buffers())
+    assert sorted(mine) == sorted(real)
+    for name, t in real.items():
+        assert (mine[name].shape, mine[name].dtype) == (t.shape, t.dtype), name
+        assert torch.equal(mine[name], t), name
+    assert standin_bytes(layer) == closed_form_bytes(out_f, in_f, double_quant)
+    meta = quant.Linear4bitStandIn(in_f, out_f, bias=False, spec=spec, device="meta")
+    assert standin_bytes(meta) == closed_form_bytes(out_f, in_f, double_quant)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_forward_values_equal_bitsandbytes_linear4bit(double_quant):
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)
+    ref = bnb.nn.Linear4bit(128, 96, bias=False, compute_dtype=torch.bfloat16, compress_statistics=double_quant,
+                            quant_type="nf4")
+    ref.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False,
+                                   compress_statistics=double_quant, quant_type="nf4")._quantize("cpu")
+    spec = quant.QuantSpec(quant_type="nf4", double_quant=double_quant, compute_dtype=torch.bfloat16)
+    layer = quant.Linear4bitStandIn.from_linear(linear, spec)
+    x = torch.randn(2, 8, 128, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    out, out_ref = layer(x), ref(x2)
+    assert out.dtype == out_ref.dtype == torch.float32  # cast back to the input dtype
+    torch.testing.assert_close(out, out_ref)
+    out.sum().backward()
+    out_ref.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def _allocations(fn) -> list[int]:
+    tracker = MemoryTracker()
+    with tracker:
+        fn()
+    return [e[2] for e in tracker.result().events if e[0] == 1]
+
+
+def test_matmul_allocates_what_cuda_matmul4bit_allocates():
+    """bitsandbytes 0.50.2, M = 2048 > 1536 rows: gemm_4bit's dequantize +
+    F.linear fallback (backends/cuda/ops.py), then backward's dequantize_4bit
+    and matmul (autograd/_functions.py MatMul4Bit)."""
+    torch.manual_seed(0)
+    n, k, m = 96, 128, 2048
+    spec = quant.QuantSpec(quant_type="nf4", double_quant=True, compute_dtype=torch.bfloat16)
+    layer = quant.Linear4bitStandIn.from_linear(nn.Linear(k, n, bias=False), spec)
+    x = torch.randn(1, m, k, requires_grad=True)
+    blocks = n * k // 64
+    holder = {}
+
+    def step():
+        holder["out"] = layer(x)
+        holder["out"].sum().backward()
+
+    events = _allocations(step)
+    forward = [m * k * 2,  # x.to(bf16)
+               blocks * 4, blocks * 4,  # nested absmax in fp32, + offset
+               n * k * 2,  # B_dq (N, K) bf16
+               m * n * 2,  # F.linear output
+               m * n * 4]  # .to(fp32)
+    backward_matmul = [blocks * 4, n * k * 2, m * k * 2]  # nested absmax, dequantized weight, grad_A
+    # The tracker rounds each request as the CUDA caching allocator does.
+    forward, backward_matmul = ([round_allocation(b) for b in seq] for seq in (forward, backward_matmul))
+    assert events[:len(forward)] == forward
+    assert _subsequence(backward_matmul, events[len(forward):])
+
+
+def _subsequence(needle: list[int], hay: list[int]) -> bool:
+    return any(hay[i:i + len(needle)] == needle for i in range(len(hay)))
+
+
+def test_kernel_choice_follows_bitsandbytes_tiers():
+    h100 = {"compute_capability": (9, 0), "num_sms": 132}
+    # Past 1536 rows always the fallback; up to 4 rows always the fused kernel.
+    assert not quant.uses_fused_kernel(2048, 64, 64, torch.bfloat16, **h100)
+    assert quant.uses_fused_kernel(4, 4096, 4096, torch.bfloat16, **h100)
+    # Small weight, very short K (2K < N), low wave on sm90: fused up to 512 rows.
+    assert quant.uses_fused_kernel(512, 160, 64, torch.bfloat16, **h100)
+    assert not quant.uses_fused_kernel(513, 160, 64, torch.bfloat16, **h100)
+    # Small square weight under a quarter wave: fused up to 32 rows.
+    assert quant.uses_fused_kernel(32, 64, 64, torch.bfloat16, **h100)
+    assert not quant.uses_fused_kernel(33, 64, 64, torch.bfloat16, **h100)
+    # Large weights above 512 rows: the fallback; fp32 has no MMA kernel.
+    assert not quant.uses_fused_kernel(513, 4096, 4096, torch.bfloat16, **h100)
+    assert not quant.uses_fused_kernel(8, 4096, 4096, torch.float32, **h100)
+    with pytest.raises(UnsupportedError, match="not modelled"):
+        quant.uses_fused_kernel(256, 4096, 4096, torch.bfloat16, **h100)
+
+
+def _fake_and_real(cfg, wl):
+    fake_model = modelbuild.build_model(cfg, wl, device="meta")
+    fake_mode = FakeTensorMode()
+    modelbuild.fakeify(fake_model, fake_mode)
+    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=fake_mode)
+    torch.manual_seed(0)
+    real_model = modelbuild.build_model(cfg, wl, device="cpu")
+    real = trace_step(real_model, wl, vocab_size=cfg.vocab_size)
+    return fake, real
+
+
+QLORA = {
+    "nf4-dq-bf16-mixed": {"seq_len": 64, "micro_batch_size": 2, "precision": "bf16-mixed", "quantize": "nf4",
+                          "double_quant": True},
+    "fp4-fp32": {"seq_len": 32, "micro_batch_size": 1, "precision": "fp32", "quantize": "fp4"},
+    "nf4-bf16-gc": {"seq_len": 64, "micro_batch_size": 2, "precision": "bf16", "quantize": "nf4",
+                    "grad_checkpointing": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(QLORA))
+def test_fake_trace_equals_real_cpu_run(name):
+    wl = Workload(lora=LoraSpec(rank=4), **QLORA[name])
+    fake, real = _fake_and_real(tiny_config("llama"), wl)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_parameter_bytes_move_by_the_closed_form(precision):
+    from llmem_plugin.estimate import estimate
+
+    cfg = tiny_config("llama")
+    lora = LoraSpec(rank=4)
+    plain = estimate(cfg, Workload(seq_len=32, precision=precision, lora=lora))
+    qlora = estimate(cfg, Workload(seq_len=32, precision=precision, lora=lora, quantize="nf4"))
+    h, i, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * layers  # lm_head is not converted
+    width = 2 if precision == "bf16" else 4
+    # The trace rounds each tensor as the CUDA caching allocator does.
+    delta = sum(sum(map(round_allocation, closed_form_tensors(o, n, False))) - round_allocation(o * n * width)
+                for o, n in linears)
+    if precision == "bf16":
+        # prepare_model_for_kbit_training: every other bf16 parameter (embeddings,
+        # lm_head, norms) becomes fp32.
+        others = [vocab * h] * 2 + [h] * (2 * layers + 1)
+        delta += sum(round_allocation(4 * p) - round_allocation(2 * p) for p in others)
+    param = MemoryCategory.PARAMETER
+    assert qlora.breakdown[param] - plain.breakdown[param] == delta
+
+
+@pytest.mark.parametrize("method", ["single", *method_names()])
+def test_unsupported_methods_name_the_combination(method):
+    wl = Workload(seq_len=32, lora=LoraSpec(rank=4), quantize="nf4")
+    if method in ("single", "ddp"):
+        check_supported(method, wl)
+        return
+    with pytest.raises(ConfigError, match=rf"--quantize nf4 with --method {method} .*HINT"):
+        check_supported(method, wl)
+
+
+def test_int8_is_refused():
+    wl = Workload(seq_len=32, lora=LoraSpec(rank=4), quantize="int8")
+    with pytest.raises(ConfigError, match="int8.*HINT"):
+        check_supported("single", wl)
+    with pytest.raises(ConfigError, match="int8.*HINT"):
+        modelbuild.build_model(tiny_config("llama"), wl)
