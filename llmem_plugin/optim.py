@@ -24,6 +24,14 @@ shape and dtype) with the three places where CUDA and CPU differ replaced:
   skipped (values do not change memory); on real tensors bitsandbytes' CPU
   kernel runs untracked, so a real CPU run still trains.
 
+Managed memory is resident on the device while bitsandbytes prefetches it
+for the update (``Optimizer8bit.prefetch_state``), so it counts in the
+device's used memory, but the driver evicts its pages to the host when the
+device runs out (CUDA C++ Programming Guide 12.6, "Unified Memory
+Programming": oversubscription with ``concurrentManagedAccess``): the
+estimate reports it apart (``Estimate.paged_bytes``), in the device total
+and outside the fits verdict.
+
 The layout rules (bitsandbytes/optim/optimizer.py and adamw.py, 0.50.2):
 parameters with fewer than ``min_8bit_size`` = 4096 elements keep two fp32
 states; larger ones under an 8-bit optimizer keep two uint8 states plus one

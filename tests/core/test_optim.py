@@ -44,7 +44,7 @@ BNB_KINDS = ["adamw8bit", "paged-adamw", "paged-adamw8bit"]
 # vocab 2048 x hidden 64 = 131072 elements: the embedding and lm_head are
 # paged (>= 1e5); q_proj (64 x 64 = 4096) is exactly at min_8bit_size and
 # k_proj (64 x 32 = 2048) and the norms are below it.
-CFG = dict(vocab_size=2048)
+CFG = {"vocab_size": 2048}
 
 
 def bnb_layout(params, kind: str) -> tuple[int, int]:
