@@ -1,0 +1,264 @@
+"""Loss heads (llmem_plugin.loss): values against torch, memory against closed forms and real runs.
+
+Closed forms are written from the layouts the module cites: transformers 5.23
+``ForCausalLMLoss`` (bf16 logits from lm_head under autocast, their fp32 upcast,
+and log_softmax's fp32 output saved for backward: 2 + 4 + 4 bytes per logit),
+torchtune's ``CEWithChunkedOutputLoss`` (one fp32 chunk upcast at a time) and
+liger-kernel 0.8.5's ``fused_linear_cross_entropy_forward`` (its buffers listed
+per test). Every allocation is rounded to the CUDA allocator's 512-byte blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from llmem_plugin import modelbuild
+from llmem_plugin.cli import main
+from llmem_plugin.emulation import autocast_region, cuda_emulation
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.loss import (
+    IGNORE_INDEX,
+    forward_with_loss,
+    liger_chunk_size,
+    liger_fused_linear_cross_entropy,
+    unsupported,
+)
+from llmem_plugin.step import trace_step
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase
+from llmem_plugin.tracker import round_allocation as r
+from llmem_plugin.workload import LoraSpec, Workload
+
+from ..conftest import tiny_config
+
+# A vocabulary large enough that the loss dominates the tiny model's step, and
+# N = b*s = 256 > 2*H, so a full bf16 logits tensor (N*V*2) is larger than any
+# parameter-sized tensor (V*H*4).
+V, H, B, S = 4096, 64, 2, 128
+N = B * S
+
+
+def llama(**overrides):
+    return tiny_config("llama", vocab_size=V, **overrides)
+
+
+def fake_trace(cfg, wl: Workload):
+    model = modelbuild.build_model(cfg, wl, device="meta")
+    mode = FakeTensorMode()
+    modelbuild.fakeify(model, mode)
+    return trace_step(model, wl, vocab_size=cfg.vocab_size, fake_mode=mode)
+
+
+def real_trace(cfg, wl: Workload):
+    torch.manual_seed(0)
+    return trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
+
+
+def forward_peak(cfg, **kw) -> int:
+    return fake_trace(cfg, Workload(seq_len=S, micro_batch_size=B, **kw)).phase_peaks[Phase.FORWARD]
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_liger_emulation_matches_torch_cross_entropy(frozen_weight):
+    torch.manual_seed(0)
+    x = torch.randn(100, 16, requires_grad=True)
+    w = torch.randn(200, 16, requires_grad=not frozen_weight)
+    t = torch.randint(0, 200, (100,))
+    t[::7] = IGNORE_INDEX
+    # liger_chunk_size(100, 16, 200) = 8 rows: 13 chunks, the last one short.
+    assert liger_chunk_size(100, 16, 200) == 8
+    loss = liger_fused_linear_cross_entropy(x, w, t)
+    (loss * 0.5).backward()  # a scale != 1 takes liger's in-place scaling path
+    got = (loss.detach(), x.grad, None if frozen_weight else w.grad)
+    x.grad = None
+    w.grad = None
+    ref = F.cross_entropy(x @ w.t(), t)
+    (ref * 0.5).backward()
+    torch.testing.assert_close(got[0], ref.detach())
+    torch.testing.assert_close(got[1], x.grad)
+    if frozen_weight:
+        assert w.grad is None
+    else:
+        torch.testing.assert_close(got[2], w.grad)
+
+
+def _loss_and_grads(model, wl: Workload, input_ids):
+    model.zero_grad(set_to_none=True)
+    if wl.loss.value == "hf" and not wl.logits_to_keep:
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False)["loss"]
+    else:
+        loss = forward_with_loss(model, input_ids, input_ids, wl)["loss"]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's tiny config ties lm_head to the embeddings
+def test_chunked_and_liger_give_the_models_own_loss_and_gradients(arch):
+    cfg = tiny_config(arch)
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32")
+    torch.manual_seed(0)
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    input_ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    ref_loss, ref_grads = _loss_and_grads(model, wl, input_ids)
+    for loss in ("chunked", "liger"):
+        got_loss, got_grads = _loss_and_grads(model, Workload(**{**wl.__dict__, "loss": loss}), input_ids)
+        torch.testing.assert_close(got_loss, ref_loss)
+        assert got_grads.keys() == ref_grads.keys()
+        for name, g in got_grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{loss}: {name}")
+
+
+def test_logits_to_keep_is_the_loss_of_the_last_positions():
+    cfg = llama()
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32", logits_to_keep=8)
+    torch.manual_seed(0)
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    input_ids = torch.randint(0, V, (2, 32))
+    loss = forward_with_loss(model, input_ids, input_ids, wl)["loss"]
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    # Positions 24..30 predict tokens 25..31; position 31 has no next token.
+    ref = F.cross_entropy(logits[:, 24:31].reshape(-1, V), input_ids[:, 25:32].reshape(-1))
+    torch.testing.assert_close(loss, ref)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+def test_logits_to_keep_scales_the_logits_terms():
+    cfg = llama()
+    k1, k2 = 128, 32
+    # Per kept token: bf16 logits + fp32 upcast + fp32 log_softmax (2+4+4 bytes
+    # per vocab entry), lm_head's bf16 copy of its input (2*H) saved for
+    # backward, and the int64 next-token labels of the kept positions.
+    expected = 10 * B * (k1 - k2) * V + 2 * B * (k1 - k2) * H + r(8 * B * k1) - r(8 * B * k2)
+    assert forward_peak(cfg, logits_to_keep=k1) - forward_peak(cfg, logits_to_keep=k2) == expected
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+def test_chunked_keeps_one_fp32_chunk_transient(chunks):
+    cfg = llama()
+    saved = 4 * N * V - 4 * N * V // chunks  # the fp32 upcast of all but one chunk
+    got = forward_peak(cfg) - forward_peak(cfg, loss="chunked", loss_chunks=chunks)
+    # Each chunk's cross_entropy keeps two fp32 scalars (nll_loss's output and
+    # total_weight), one 512-byte block each; the full loss keeps three.
+    assert saved - 512 * (2 * chunks + 3) <= got <= saved
+
+
+LIGER_CASES = {
+    # precision: (param dtype, autocast dtype, closed form of liger's forward peak)
+    # bf16-mixed: grad_input (N*H*4) and grad_weight (V*H*4) in the parameter
+    # dtype, loss_1d fp32; per chunk bf16 logits and the bf16 cast of the input
+    # chunk; autocast casts weight.t() (a view, not cached) for every chunk
+    # and caches the cast of weight used by the grad_input matmul: 2 x V*H*2.
+    "bf16-mixed": (torch.float32, torch.bfloat16, lambda c: N * H * 4 + V * H * 4 + r(4 * N) + 2 * V * H * 2
+                   + r(c * V * 2) + r(c * H * 2)),
+    # bf16: torch.mm(out=) into one preallocated (chunk, V) buffer; nothing per chunk.
+    "bf16": (torch.bfloat16, None, lambda c: N * H * 2 + V * H * 2 + r(4 * N) + r(c * V * 2)),
+    # fp32: the legacy grad_weight path adds a (V, H) fp32 product per chunk.
+    "fp32": (torch.float32, None, lambda c: N * H * 4 + V * H * 4 + r(4 * N) + r(c * V * 4) + V * H * 4),
+}
+
+
+@pytest.mark.parametrize("precision", sorted(LIGER_CASES))
+def test_liger_forward_allocates_its_buffers(precision):
+    dtype, autocast, closed_form = LIGER_CASES[precision]
+    chunk = liger_chunk_size(N, H, V)
+    assert chunk == 4  # next_power_of_2(cdiv(256, cdiv(4096, 64)))
+    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, H, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    with cuda_emulation(autocast_dtype=autocast), MemoryTracker() as tracker:
+        tracker.register([x, w, t], MemoryCategory.INPUT)
+        base = tracker.live_bytes()
+        tracker.set_phase(Phase.FORWARD)
+        with autocast_region(autocast):
+            loss = liger_fused_linear_cross_entropy(x, w, t)
+        tracker.set_phase(Phase.BACKWARD)
+        (loss / 2).backward()
+        del loss
+    res = tracker.result()
+    assert res.phase_peaks[Phase.FORWARD] - base == closed_form(chunk)
+    # Backward only scales the stored gradients in place: it adds no buffer.
+    assert res.phase_peaks[Phase.BACKWARD] <= res.phase_peaks[Phase.FORWARD]
+
+
+def test_liger_step_never_materializes_full_logits():
+    cfg = llama()
+    res = fake_trace(cfg, Workload(seq_len=S, micro_batch_size=B, loss="liger"))
+    sizes = {nbytes for _, _, nbytes in res.events}
+    assert max(sizes) < N * V * 2
+    assert liger_chunk_size(N, H, V) * V * 2 in sizes  # one chunk of bf16 logits
+    hf = fake_trace(cfg, Workload(seq_len=S, micro_batch_size=B))
+    assert N * V * 4 in {nbytes for _, _, nbytes in hf.events}  # the model's own fp32 logits
+    assert res.peak_bytes < hf.peak_bytes
+
+
+# ----------------------------------------------------------------------------- fake equals real
+
+
+FAKE_REAL = {
+    "chunked": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="chunked", loss_chunks=4)),
+    "chunked-gc-lora": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="chunked", grad_checkpointing=True,
+                                          lora=LoraSpec(rank=4))),
+    "keep": ("llama", Workload(seq_len=32, micro_batch_size=2, logits_to_keep=8)),
+    "keep-hf-trainer": ("gpt2", Workload(seq_len=32, micro_batch_size=1, logits_to_keep=8, runner="hf-trainer")),
+    "liger": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="liger", grad_accum_steps=2)),
+    "liger-bf16-tied": ("qwen2", Workload(seq_len=32, micro_batch_size=2, loss="liger", precision="bf16")),
+    "liger-lora-gc": ("llama", Workload(seq_len=32, micro_batch_size=1, loss="liger", lora=LoraSpec(rank=4),
+                                        grad_checkpointing=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAKE_REAL))
+def test_fake_trace_equals_real_cpu_run(name):
+    arch, wl = FAKE_REAL[name]
+    cfg = tiny_config(arch)
+    fake, real = fake_trace(cfg, wl), real_trace(cfg, wl)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.phase_peaks == real.phase_peaks
+    assert fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+# ----------------------------------------------------------------------------- support and errors
+
+
+def test_unsupported_names_the_combination():
+    assert unsupported("fsdp", Workload()) is None
+    assert unsupported("tp", Workload(logits_to_keep=4)) is None
+    assert unsupported("ddp", Workload(loss="liger")) is None
+    for method in ("fsdp", "zero3", "tp"):
+        reason = unsupported(method, Workload(loss="liger"))
+        assert f"'{method}'" in reason and "HINT" in reason
+    reason = unsupported("single", Workload(loss="chunked", logits_to_keep=4))
+    assert "--logits-to-keep 4" in reason and "HINT" in reason
+
+
+def test_unmodelled_architecture_raises():
+    cfg = tiny_config("gpt2")
+    wl = Workload(seq_len=16, micro_batch_size=1, precision="fp32", loss="liger")
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with pytest.raises(ConfigError, match="architecture 'gpt2'.*HINT"):
+        forward_with_loss(model, ids, ids, wl)
+
+
+def test_cli_liger_and_chunked_report_less_than_hf(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    peaks = {}
+    for loss in ("hf", "liger", "chunked"):
+        code = main(["estimate", "--model", "llama-3.2-1b", "--seq-len", "4096", "--loss", loss, "--fast", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        peaks[loss] = json.loads(out)["peak_allocated_bytes"]
+    # At 4096 tokens the model's own loss holds 4096 * 128256 logits in fp32
+    # (about 2 GiB each copy); the fused and chunked losses do not.
+    assert peaks["liger"] < peaks["hf"]
+    assert peaks["chunked"] < peaks["hf"]
