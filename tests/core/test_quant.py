@@ -219,3 +219,19 @@ def test_int8_is_refused():
         check_supported("single", wl)
     with pytest.raises(ConfigError, match="int8.*HINT"):
         modelbuild.build_model(tiny_config("llama"), wl)
+
+
+def test_ddp_buckets_only_the_lora_gradients():
+    from llmem_plugin.estimate import estimate
+    from llmem_plugin.methods import Layout, estimate_method
+
+    cfg = tiny_config("llama")
+    wl = Workload(seq_len=32, lora=LoraSpec(rank=4), quantize="nf4")
+    ddp = estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=2), gpu="h100-sxm").ranks[0].breakdown
+    single = estimate(cfg, wl).breakdown
+    h, r, layers = cfg.hidden_size, 4, cfg.num_hidden_layers
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    # LoRA A (r x in) and B (out x r) on q, k, v, o, fp32: DDP's one bucket holds them all.
+    lora_params = layers * r * sum(i + o for o, i in [(h, h), (kv, h), (kv, h), (h, h)])
+    assert ddp[MemoryCategory.COMM_BUFFER] == round_allocation(4 * lora_params)
+    assert ddp[MemoryCategory.PARAMETER] == single[MemoryCategory.PARAMETER]
