@@ -111,6 +111,9 @@ class Estimate:
     # device_total_bytes while resident, not in allocated/reserved, and not in
     # the fits verdict (the driver evicts them to the host under pressure).
     paged_bytes: int = 0
+    # One line each on how the estimate treated something the workload does
+    # not fix (llmem_plugin.moe.routing_note: MoE token routing).
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +141,7 @@ class Estimate:
             "seconds": round(self.seconds, 4),
             "memory_timeline": [list(point) for point in self.memory_timeline],
             "paged_bytes": self.paged_bytes,
+            "notes": list(self.notes),
         }
 
 
@@ -183,6 +187,10 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, trac
     gpu = gpu or get_gpu(DEFAULT_GPU)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = vocab_size_of(model)
+    # Eager MoE experts loops get their worst-case routing (llmem_plugin.moe).
+    from llmem_plugin.moe import bound_eager_routing
+
+    bound_eager_routing(model)
     modelbuild.fakeify(model, fake_mode)
     with tracing(f"the training step of {type(model).__name__}"):
         return trace_step(
@@ -416,7 +424,15 @@ def estimate(
         seconds=time.perf_counter() - t0,
         memory_timeline=memory_timeline,
         paged_bytes=paged,
+        notes=_notes(model_config, wl),
     )
+
+
+def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
+    from llmem_plugin.moe import routing_note
+
+    note = routing_note(model_config, workload)
+    return (note,) if note else ()
 
 
 def _thin(timeline: list[tuple[int, Phase, int]], n: int) -> list[tuple[int, Phase, int]]:

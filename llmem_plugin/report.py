@@ -82,6 +82,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")
+    for note in est.notes:
+        console.print(f"note: {note}")
     console.print(f"{mode}, {est.seconds:.2f} s")
 
 
