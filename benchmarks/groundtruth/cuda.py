@@ -5,10 +5,13 @@ allocator's cache and the CUDA context start clean and an OOM cannot poison
 later cases. The worker builds the model with
 ``llmem_plugin.modelbuild.build_model(config, workload, device="cuda")`` --
 the same function, so the same model, the estimator traces on meta -- with
-random weights (nothing is downloaded), then runs ``steps`` optimizer steps:
+random weights (nothing is downloaded); where the estimator traces stand-ins
+(bitsandbytes, flash-attn, liger-kernel, TRL) the real libraries are used
+instead (:mod:`benchmarks.groundtruth.techniques`). It then runs ``steps``
+optimizer steps:
 
 * "torch": the loop ``llmem_plugin.step`` models, with the optimizer of
-  ``llmem_plugin.step.make_optimizer``.
+  ``llmem_plugin.step.make_optimizer`` (bitsandbytes' own for its kinds).
 * "hf-trainer": ``transformers.Trainer``. Mixed precision sets ``bf16=True`` /
   ``fp16=True`` over fp32 weights; pure bf16 loads the model in bf16 and sets
   neither (Trainer has no pure-bf16 switch).
@@ -33,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from benchmarks.groundtruth import rows
+from benchmarks.groundtruth import rows, techniques
 from benchmarks.groundtruth.matrix import TRAINER_OPTIM, Case
 
 __all__ = ["run_case"]
@@ -148,14 +151,18 @@ def _vocab(model) -> int:
 def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = "cuda") -> None:
     """The plain loop of ``llmem_plugin.step.trace_step``, for real, ``steps`` times.
 
-    ``device`` is "cuda" here; the tests run the same loop on the CPU.
+    The optimizer, loss, activation offload and reference forward are the
+    real libraries' (:mod:`benchmarks.groundtruth.techniques`), in the order
+    ``trace_step`` runs them: per micro-batch the reference forward, then,
+    inside the offload context, the policy forward with its loss and the
+    backward. ``device`` is "cuda" here; the tests run the same loop on the CPU.
     """
     import torch
 
-    from llmem_plugin.step import make_optimizer
-
     wl = case.workload
-    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
+    optimizer = techniques.make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
+    reference = techniques.reference_forward(model, wl)  # a frozen copy is resident from here
+    offload = techniques.offload_factory(model, wl)
     vocab, dtype = _vocab(model), wl.precision.autocast_dtype
     gen = torch.Generator(device=device).manual_seed(0)
     rec.reset()
@@ -164,13 +171,17 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device=device, generator=gen)
             labels = input_ids.clone()
-            # As HF Trainer's compute_loss: forward and loss under autocast, backward outside.
-            with _autocast(dtype, device):
-                out = model(input_ids=input_ids, labels=labels, use_cache=False)
-                loss = out.loss / wl.grad_accum_steps
-                del out
-            loss.backward()
-            del loss, input_ids, labels
+            ref_logps = None
+            if reference is not None:
+                # DPO (TRL): the reference forward under the same autocast; only its log-probs are kept.
+                with _autocast(dtype, device):
+                    ref_logps = reference(input_ids)
+            with offload():
+                # As HF Trainer's compute_loss: forward and loss under autocast, backward outside.
+                with _autocast(dtype, device):
+                    loss = techniques.forward_loss(model, input_ids, labels, wl) / wl.grad_accum_steps
+                loss.backward()
+            del loss, input_ids, labels, ref_logps
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rec.record(step)
@@ -257,11 +268,10 @@ def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambd
     Returns:
         The finished row: status "ok", "oom" (``torch.OutOfMemoryError``; its
         last ``steps`` entry is read at the failure, for the step in
-        progress, 0 if before the first) or "error".
+        progress, 0 if before the first), "skipped" (a library the case
+        needs is missing; ``error`` says which) or "error".
     """
     import torch
-
-    from llmem_plugin import modelbuild
 
     t0 = time.perf_counter()
     nvml = _Nvml.open()
@@ -277,10 +287,12 @@ def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambd
     rec = _Recorder(row, nvml, progress)
     try:
         torch.manual_seed(0)
-        model = modelbuild.build_model(case.config(), case.workload, device="cuda")
+        model = techniques.build_model(case, device="cuda")
         loop = _trainer_loop if case.runner == "hf-trainer" else _torch_loop
         loop(model, case, steps, rec)
         return rows.finish(row, status="ok", error=None, seconds=time.perf_counter() - t0)
+    except techniques.Skipped as e:
+        return rows.finish(row, status="skipped", error=str(e), seconds=time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
         with contextlib.suppress(Exception):  # the row must still be written
             rec.record(rec.step_in_progress)

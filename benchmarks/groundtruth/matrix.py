@@ -12,6 +12,13 @@ Their ``note`` gives the estimator's prediction
 (``llmem_plugin.estimate(..., fast=True).peak_allocated_bytes``, 2026-11-22)
 and ``expect`` says which side of the line that puts them on.
 
+``TECHNIQUE_CASES`` (also in ``GPU_CASES``) cover the low-memory techniques:
+QLoRA (nf4 / fp4 / int8), bitsandbytes and for-loop AdamW, FlashAttention-2,
+liger / chunked loss and ``logits_to_keep``, activation offload and a
+reference model, each paired with a baseline that differs only by it, and a
+mixture-of-experts case without checkpointing; they run the real libraries
+(``techniques.py``).
+
 ``CPU_CASES`` are tiny models (catalog config + ``config_overrides``, the idea
 of ``tests/conftest.py``'s TINY_CONFIGS) measured on the CPU by the project's
 own tracker, for the tests and for a one-minute smoke run on a GPU.
@@ -25,7 +32,7 @@ from typing import Any
 from llmem_plugin import catalog
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "Case", "case_config", "find"]
+__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
 
 RUNNERS = ("torch", "hf-trainer", "tracker-cpu")
 _EXPECT = (None, "fit", "oom", "boundary")
@@ -67,6 +74,8 @@ class Case:
             raise ValueError(f"case {self.id}: runner {self.runner!r}; valid: {RUNNERS}")
         if self.runner == "hf-trainer" and self.workload.optimizer.value not in TRAINER_OPTIM:
             raise ValueError(f"case {self.id}: hf-trainer runs {sorted(TRAINER_OPTIM)} only")
+        if self.runner != "torch" and uses_technique(self.workload):
+            raise ValueError(f"case {self.id}: the low-memory techniques run under the torch runner only")
         if self.expect not in _EXPECT or (self.expect is not None) != self.edge:
             raise ValueError(f"case {self.id}: edge cases need expect in {_EXPECT[1:]}, others none")
 
@@ -94,14 +103,40 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
 def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, optimizer: str = "adamw",
           gc: bool = False, lora: LoraSpec | None = None, attn: str = "sdpa", runner: str = "torch",
           expect: str | None = None, note: str = "", overrides: dict[str, Any] | None = None,
-          prefix: str = "") -> Case:
+          prefix: str = "", **technique: Any) -> Case:
+    """A case; ``technique`` holds Workload fields of the low-memory techniques.
+
+    Their id parts come last, and only when set, so the ids of cases without
+    them stay as they were.
+    """
     parts = [prefix + model, precision, f"s{seq}", f"b{batch}"]
     parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + ["lora"] * (lora is not None) + [attn]
     parts += [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
-                  optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn)
+                  optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn, **technique)
+    parts += _technique_parts(wl)
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
                 expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
+
+
+def _technique_parts(wl: Workload) -> list[str]:
+    parts = []
+    if wl.quantize is not None:
+        parts.append(wl.quantize.value + "-dq" * wl.double_quant)
+    if wl.loss.value != "hf":
+        parts.append(wl.loss.value + (f"{wl.loss_chunks}" if wl.loss.value == "chunked" else ""))
+    parts += [f"keep{wl.logits_to_keep}"] * (wl.logits_to_keep > 0)
+    if wl.offload_activations is not None:
+        parts.append("offload-" + wl.offload_activations.value)
+    parts += ["ref"] * wl.reference_model
+    return parts
+
+
+def uses_technique(wl: Workload) -> bool:
+    """Whether ``wl`` sets a technique only the torch runner implements: quantization, the loss,
+    ``logits_to_keep``, activation offload or a reference model (optimizers and attention have id parts
+    of their own and run under both runners)."""
+    return bool(_technique_parts(wl))
 
 
 LORA = LoraSpec()  # rank 16, q/k/v/o: the estimator's and the CLI's default
@@ -185,7 +220,68 @@ _EDGE = [
           note="fp32 logits of 2 x 8192 tokens x 152k vocabulary (9.3 GiB each) against cached blocks"),
 ]
 
-GPU_CASES: list[Case] = _BASE + _EDGE
+# The low-memory techniques, each paired with a case without it (a baseline here or above).
+# They run the real libraries (benchmarks/groundtruth/techniques.py); a case
+# whose library is not installed gives a "skipped" row (README, "Wheels").
+_QLORA_8B = "packed 4-bit weights and absmax, non-quantized weights upcast to fp32 by prepare_model_for_kbit_training"
+_TECH = [
+    # QLoRA: bitsandbytes weights under LoRA (pairs: llama-3.1-8b-bf16-mixed-s2048-b1-lora-sdpa and below).
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, lora=LORA, quantize="nf4", double_quant=True,
+          note=f"QLoRA nf4 + double quant: {_QLORA_8B}; a dequantized bf16 weight per matmul"),
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, gc=True, lora=LORA, note="baseline of the checkpointed QLoRA case"),
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, gc=True, lora=LORA, quantize="nf4", double_quant=True,
+          note="QLoRA nf4 + double quant with checkpointing: recomputation dequantizes the weights again"),
+    _case("llama-3.1-8b", "bf16-mixed", 2048, 1, lora=LORA, quantize="fp4",
+          note="QLoRA fp4 without double quant: fp32 absmax per 64 weights instead of 8-bit"),
+    _case("llama-3.2-3b", "bf16-mixed", 2048, 1, lora=LORA, note="baseline of the int8 case"),
+    _case("llama-3.2-3b", "bf16-mixed", 2048, 1, lora=LORA, quantize="int8",
+          note="LLM.int8 (Linear8bitLt, threshold 6.0): int8 weights + fp32 row scales; outlier columns are data-dependent"),
+    # bitsandbytes and for-loop AdamW, full fine-tuning (pair: llama-3.2-1b-bf16-mixed-s1024-b4-sdpa).
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, optimizer="adamw8bit",
+          note="8-bit blockwise states (2 x 1 B/param + absmax) instead of 2 x 4 B/param; tensors < 4096 elements keep 32-bit"),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, optimizer="paged-adamw8bit",
+          note="paged 8-bit states live in CUDA unified memory: whether max_memory_allocated counts them"),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, optimizer="paged-adamw",
+          note="paged 32-bit states in unified memory: NVML vs allocator view of 8 B/param"),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 4, optimizer="adamw-forloop",
+          note="per-parameter AdamW loop: no foreach temporary the size of the states"),
+    # FlashAttention-2 (pairs: llama-3.2-1b-bf16-s4096-b4-gc-sdpa-adamw-fused and the baseline below).
+    _case("llama-3.2-1b", "bf16", 4096, 4, gc=True, attn="flash_attention_2", optimizer="adamw-fused",
+          note="flash-attn kernel: out + fp32 softmax_lse saved; backward dq_accum in fp32"),
+    _case("llama-3.2-1b", "bf16", 2048, 2, note="baseline of the flash-attn case without checkpointing"),
+    _case("llama-3.2-1b", "bf16", 2048, 2, attn="flash_attention_2",
+          note="flash-attn without checkpointing: every layer's q, k, v, out and lse kept for backward"),
+    # The loss at 4096 tokens of a 128k vocabulary: HF, liger, chunked, logits_to_keep.
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2,
+          note="baseline of the loss and offload cases: bf16 logits + fp32 upcast and its gradient (8 x 128k x 4 B/token)"),
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, loss="liger",
+          note="liger fused linear cross-entropy: logits one chunk at a time, no full logits"),
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, loss="chunked",
+          note="torchtune chunked CE, 8 chunks: all bf16 logit chunks kept, one fp32 upcast at a time"),
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, logits_to_keep=1024,
+          note="logits for the last 1024 tokens only: loss terms scale by 1024/4096"),
+    # Activation offload (pairs: the baseline above; llama-3.2-1b-bf16-s4096-b4-gc-sdpa-adamw-fused).
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, offload_activations="save-on-cpu",
+          note="save_on_cpu(pin_memory=True): saved tensors (weights included) go to pinned host memory"),
+    _case("llama-3.2-1b", "bf16-mixed", 4096, 2, offload_activations="streamed",
+          note="TRL OffloadActivations: tensors >= 1024 B offloaded, up to 5 kept on device, lm_head not offloaded"),
+    _case("llama-3.2-1b", "bf16", 4096, 4, gc=True, optimizer="adamw-fused", offload_activations="save-on-cpu",
+          note="save_on_cpu with non-reentrant checkpointing: only the checkpoint inputs are offloaded"),
+    # DPO-style reference forward (pairs: the cases without it).
+    _case("qwen2.5-0.5b", "bf16-mixed", 2048, 2, lora=LORA,
+          note="baseline of the LoRA reference case"),
+    _case("qwen2.5-0.5b", "bf16-mixed", 2048, 2, lora=LORA, reference_model=True,
+          note="reference = the policy with adapters disabled, no_grad: a transient of 152k-vocabulary logits"),
+    _case("qwen2.5-0.5b", "bf16", 2048, 2, note="baseline of the frozen-copy reference case"),
+    _case("qwen2.5-0.5b", "bf16", 2048, 2, reference_model=True,
+          note="reference = a frozen copy of the model: its bf16 weights resident, plus the no_grad transient"),
+    # Mixture of experts without checkpointing (pair: qwen3-30b-a3b-bf16-s2048-b1-gc-lora-sdpa).
+    _case("qwen3-30b-a3b", "bf16", 1024, 1, lora=LORA,
+          note="MoE experts (128, top-8) through grouped_mm: expert activations of every layer kept"),
+]
+
+GPU_CASES: list[Case] = _BASE + _EDGE + _TECH
+TECHNIQUE_CASES: list[Case] = list(_TECH)
 
 
 def _tiny(**extra: Any) -> dict[str, Any]:

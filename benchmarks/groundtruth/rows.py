@@ -44,7 +44,8 @@ MEASURED_KEYS = ("allocated_bytes", "reserved_bytes", "device_total_bytes")
 GPU_KEYS = ("name", "memory_bytes", "compute_capability", "idle_used_bytes")
 ENV_KEYS = ("torch", "transformers", "peft", "cuda", "cudnn", "driver", "python", "nvml_source",
             "PYTORCH_CUDA_ALLOC_CONF", "date", "host")
-STATUSES = ("ok", "oom", "error")
+# "skipped": the case needs a library the machine lacks (techniques.Skipped); ``error`` names it.
+STATUSES = ("ok", "oom", "error", "skipped")
 
 
 def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: dict | None = None) -> dict:

@@ -12,7 +12,8 @@ hidden ``--worker`` flag), under ``--timeout-s``; the parent never touches the
 GPU, so the workers' numbers include exactly one CUDA context. On the CPU the
 cases run in this process. Rows are appended (and flushed) as each case ends.
 
-Exit codes: 0 when every row has status "ok" or "oom"; 1 when some row has
+Exit codes: 0 when every row has status "ok", "oom" or "skipped" (a library
+the case needs is not installed; the row says which); 1 when some row has
 status "error"; 2 for bad arguments or ``--device cuda`` without a GPU.
 """
 
@@ -82,7 +83,7 @@ def _list_cases() -> None:
     for title, cases in (("GPU cases", GPU_CASES), ("CPU cases", CPU_CASES)):
         print(f"{title} ({len(cases)}):")
         for c in cases:
-            edge = f"  [edge: {c.expect}] {c.note}" if c.edge else ""
+            edge = f"  [edge: {c.expect}]" * c.edge + f"  {c.note}" * bool(c.note)
             print(f"  {c.id:58s} {c.runner}{edge}")
 
 
@@ -151,7 +152,7 @@ def _summary(i: int, n: int, row: dict) -> str:
         peak = "no measurement"
     else:
         peak = f"{alloc / _GiB:.2f} GiB" if alloc >= _GiB else f"{alloc / 2**20:.2f} MiB"
-    err = f" ({row['error']})" if row["status"] == "error" else ""
+    err = f" ({row['error']})" if row["status"] in ("error", "skipped") else ""
     return f"[{i}/{n}] {row['id']}: {row['status']}, {peak} allocated, {row['seconds']} s{err}"
 
 
