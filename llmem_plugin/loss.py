@@ -44,6 +44,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -172,8 +173,6 @@ def _next_token_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def _hf_logits_to_keep(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Tensor,
                        labels: torch.Tensor, keep: int) -> Mapping[str, torch.Tensor]:
-    import inspect
-
     if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
         raise ConfigError(f"'{type(causal_lm).__name__}.forward' takes no logits_to_keep. "
                           "HINT: drop --logits-to-keep for this model")
@@ -224,11 +223,15 @@ def _forward_replaced(causal_lm: PreTrainedModel, head) -> Iterator[None]:
         hidden = base(input_ids=input_ids, use_cache=use_cache, **kwargs)[0]
         return CausalLMOutputWithPast(loss=head(causal_lm, hidden, labels))
 
+    previous = causal_lm.__dict__.get("forward")  # an instance-level forward someone else installed
     causal_lm.forward = forward
     try:
         yield
     finally:
-        del causal_lm.forward
+        if previous is None:
+            del causal_lm.forward
+        else:
+            causal_lm.forward = previous
 
 
 # ----------------------------------------------------------------------------- liger

@@ -205,13 +205,13 @@ def test_liger_step_never_materializes_full_logits():
 
 FAKE_REAL = {
     "chunked": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="chunked", loss_chunks=4)),
-    "chunked-gc-lora": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="chunked", grad_checkpointing=True,
+    "chunked-gc-lora": ("llama", Workload(seq_len=16, micro_batch_size=1, loss="chunked", grad_checkpointing=True,
                                           lora=LoraSpec(rank=4))),
     "keep": ("llama", Workload(seq_len=32, micro_batch_size=2, logits_to_keep=8)),
     "keep-hf-trainer": ("gpt2", Workload(seq_len=32, micro_batch_size=1, logits_to_keep=8, runner="hf-trainer")),
-    "liger": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="liger", grad_accum_steps=2)),
+    "liger": ("llama", Workload(seq_len=32, micro_batch_size=1, loss="liger", grad_accum_steps=2)),
     "liger-bf16-tied": ("qwen2", Workload(seq_len=32, micro_batch_size=2, loss="liger", precision="bf16")),
-    "liger-lora-gc": ("llama", Workload(seq_len=32, micro_batch_size=1, loss="liger", lora=LoraSpec(rank=4),
+    "liger-lora-gc": ("llama", Workload(seq_len=16, micro_batch_size=1, loss="liger", lora=LoraSpec(rank=4),
                                         grad_checkpointing=True)),
 }
 
