@@ -292,7 +292,7 @@ def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambd
         loop(model, case, steps, rec)
         return rows.finish(row, status="ok", error=None, seconds=time.perf_counter() - t0)
     except techniques.Skipped as e:
-        return rows.finish(row, status="skipped", error=str(e), seconds=time.perf_counter() - t0)
+        return rows.finish(row, status="skipped", error=str(e)[:500], seconds=time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
         with contextlib.suppress(Exception):  # the row must still be written
             rec.record(rec.step_in_progress)
