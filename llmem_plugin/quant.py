@@ -345,7 +345,7 @@ def uses_fused_kernel(m: int, n: int, k: int, dtype: torch.dtype, *, compute_cap
     allocates only its output) instead of dequantize + ``F.linear``.
 
     Follows ``_gemm_4bit_use_custom_cuda`` ([B] backends/cuda/ops.py) for
-    sm80, sm90 and sm100, for the shapes a training step has.
+    sm80, sm90 and sm100.
 
     Args:
         m: Rows of the input (tokens), ``n``/``k``: the weight's (out, in).
@@ -354,7 +354,7 @@ def uses_fused_kernel(m: int, n: int, k: int, dtype: torch.dtype, *, compute_cap
         num_sms: Its multiprocessor count.
 
     Raises:
-        UnsupportedError: a GPU or a shape whose tiers are not modelled.
+        UnsupportedError: another GPU, at 5-1536 rows (its tiers are not modelled).
     """
     from llmem_plugin.errors import UnsupportedError
 
@@ -395,9 +395,40 @@ def uses_fused_kernel(m: int, n: int, k: int, dtype: torch.dtype, *, compute_cap
         return False
     if m > 512:
         return False
-    raise UnsupportedError(
-        f"bitsandbytes' 4-bit matmul kernel choice for a {n}x{k} weight at {m} tokens is not modelled. "
-        f"HINT: use seq_len*batch > 512")
+    if m < 8:  # SIMT wins, except some HBM occupancy bands at 6-7 rows
+        if m >= 6 and n_blocks >= (48 if sm80 else 36):
+            lt_75, lt_60 = n_blocks * 4 < num_sms * 3, n_blocks * 5 < num_sms * 3
+            if k > n and lt_75:
+                return False
+            if k == n and ((sm80 and lt_60) or (not sm80 and lt_75 and not lt_60)):
+                return False
+        return True
+    if sm80:  # 8-512 rows: the A100 ladder
+        if n_blocks >= num_sms * 3:
+            return m <= 128
+        if n_blocks >= num_sms:
+            return m <= (64 if k < n else 32)
+        if k >= n * 3 and n_blocks * 4 > num_sms:
+            return False
+        if k == n and n_blocks >= 48 and n_blocks * 5 < num_sms * 3:
+            return False
+        if n_blocks * 2 < num_sms:
+            if k <= n:
+                return m <= 128
+            if n_blocks * 3 >= num_sms:
+                return False
+        if n_blocks >= num_sms // 2 and k < n:
+            return m <= 128
+        return m <= 16
+    # 8-512 rows: the H100/H200 ladder.
+    for waves, cap in ((3, 64), (2, 48), (1, 32)):
+        if n_blocks >= num_sms * waves:
+            return m <= cap
+    if n_blocks >= num_sms // 2:
+        if k >= n and n_blocks * 4 < num_sms * 3:
+            return False
+        return m <= 16
+    return False
 
 
 def _target() -> tuple[tuple[int, int], int]:

@@ -146,8 +146,13 @@ def test_kernel_choice_follows_bitsandbytes_tiers():
     # Large weights above 512 rows: the fallback; fp32 has no MMA kernel.
     assert not quant.uses_fused_kernel(513, 4096, 4096, torch.bfloat16, **h100)
     assert not quant.uses_fused_kernel(8, 4096, 4096, torch.float32, **h100)
+    # Large weights at 8-512 rows on sm90: by waves of 64-column tiles over 132 SMs.
+    assert quant.uses_fused_kernel(32, 14336, 4096, torch.bfloat16, **h100)  # 224 tiles: >= 1 wave, M <= 32
+    assert not quant.uses_fused_kernel(33, 14336, 4096, torch.bfloat16, **h100)
+    assert not quant.uses_fused_kernel(8, 4096, 4096, torch.bfloat16, **h100)  # 64 tiles: < half a wave
+    assert quant.uses_fused_kernel(7, 4096, 4096, torch.bfloat16, **h100)  # 5-7 rows: SIMT
     with pytest.raises(UnsupportedError, match="not modelled"):
-        quant.uses_fused_kernel(256, 4096, 4096, torch.bfloat16, **h100)
+        quant.uses_fused_kernel(256, 4096, 4096, torch.bfloat16, compute_capability=(8, 6), num_sms=84)
 
 
 def _fake_and_real(cfg, wl):
@@ -235,3 +240,30 @@ def test_ddp_buckets_only_the_lora_gradients():
     lora_params = layers * r * sum(i + o for o, i in [(h, h), (kv, h), (kv, h), (h, h)])
     assert ddp[MemoryCategory.COMM_BUFFER] == round_allocation(4 * lora_params)
     assert ddp[MemoryCategory.PARAMETER] == single[MemoryCategory.PARAMETER]
+
+
+def test_cli_estimates_an_8b_qlora_step(capsys, monkeypatch):
+    import json
+
+    from llmem_plugin import catalog
+    from llmem_plugin.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["estimate", "--model", "llama-3.1-8b", "--quantize", "nf4", "--lora-rank", "16",
+                 "--seq-len", "256", "--fast", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    cfg = catalog.load_config("llama-3.1-8b")
+    h, i, layers, vocab, r = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, 16
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    attn = [(h, h), (kv, h), (kv, h), (h, h)]
+    linears = [*attn, (i, h), (i, h), (h, i)]
+    per_layer = sum(sum(map(round_allocation, closed_form_tensors(o, n, False))) for o, n in linears)
+    per_layer += sum(round_allocation(4 * r * n) + round_allocation(4 * o * r) for o, n in attn)  # fp32 LoRA A, B
+    per_layer += 2 * round_allocation(4 * h)  # the two RMSNorm weights
+    # fp32 (bf16-mixed): embeddings, LM head, final norm; the rotary buffers
+    # inv_freq and original_inv_freq (head_dim / 2 each).
+    rotary = round_allocation(4 * (h // cfg.num_attention_heads // 2))
+    rest = 2 * round_allocation(4 * vocab * h) + round_allocation(4 * h) + 2 * rotary
+    assert data["breakdown"]["parameters"] == layers * per_layer + rest
