@@ -114,6 +114,9 @@ class Estimate:
     # One line each on how the estimate treated something the workload does
     # not fix (llmem_plugin.moe.routing_note: MoE token routing).
     notes: tuple[str, ...] = ()
+    # Peak of host-resident bytes the step holds (offloaded activations in
+    # pinned memory, optimizer step counters); never on the device.
+    host_peak_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -142,6 +145,7 @@ class Estimate:
             "memory_timeline": [list(point) for point in self.memory_timeline],
             "paged_bytes": self.paged_bytes,
             "notes": list(self.notes),
+            "host_peak_bytes": self.host_peak_bytes,
         }
 
 
@@ -424,6 +428,7 @@ def estimate(
         seconds=time.perf_counter() - t0,
         memory_timeline=memory_timeline,
         paged_bytes=paged,
+        host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes,
         notes=_notes(model_config, wl),
     )
 

@@ -9,9 +9,9 @@ module runs the others through the real model:
   ``logits_to_keep=k`` (transformers 5.23 ``LlamaForCausalLM.forward``:
   ``slice_logits_to_keep`` then ``lm_head``), and the model's own
   ``loss_function`` (``loss/loss_utils.py`` ``ForCausalLMLoss``: logits
-  ``.float()``, cross-entropy) on the matching next-token labels passed as its
-  ``shift_labels`` argument. The last kept position has no next token and is
-  ignored, as in the full loss. This is the loss of the last ``k`` positions,
+  ``.float()``, labels padded and shifted, cross-entropy) on the last ``k``
+  labels. The last kept position has no next token and is ignored, as in the
+  full loss. This is the loss of the last ``k`` positions,
   the completion-only loss TRL computes with ``logits_to_keep``.
 * ``"chunked"``: torchtune 0.6.1 ``CEWithChunkedOutputLoss``
   (``torchtune/modules/loss/ce_chunked_output_loss.py``) fed by
@@ -177,9 +177,9 @@ def _hf_logits_to_keep(model: nn.Module, causal_lm: PreTrainedModel, input_ids: 
         raise ConfigError(f"'{type(causal_lm).__name__}.forward' takes no logits_to_keep. "
                           "HINT: drop --logits-to-keep for this model")
     out = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep)
-    # Next-token labels of the kept positions: logits[:, j] predicts token s-k+j+1.
-    shift_labels = _next_token_labels(labels)[:, -keep:].contiguous()
-    out["loss"] = causal_lm.loss_function(logits=out["logits"], labels=None, shift_labels=shift_labels,
+    # The last k labels, shifted inside ForCausalLMLoss: logits[:, j] (position
+    # s-k+j) predicts token s-k+j+1, and the last position is ignored.
+    out["loss"] = causal_lm.loss_function(logits=out["logits"], labels=labels[:, -keep:],
                                           vocab_size=causal_lm.config.vocab_size)
     return out
 

@@ -79,6 +79,9 @@ def render_estimate(est: Estimate, console: Console) -> None:
     headroom = est.capacity_bytes - est.device_total_bytes
     per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
     console.print(per_gpu)
+    if wl.offload_activations is not None:
+        console.print(f"pinned host memory ({wl.offload_activations.value} activation offload): "
+                      f"{gib(est.host_peak_bytes)} GiB")
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")

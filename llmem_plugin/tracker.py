@@ -94,6 +94,8 @@ class TraceResult:
         phase_breakdowns: Breakdown at each phase's own peak.
         timeline: (event index, phase, allocated bytes) after every event.
         num_events: Allocation plus free events recorded.
+        host_peak_bytes: Highest host-resident (``HOST``) bytes live at once,
+            e.g. offloaded activations in pinned memory.
     """
 
     peak_bytes: int
@@ -105,6 +107,7 @@ class TraceResult:
     timeline: list[tuple[int, Phase, int]] = field(repr=False)
     num_events: int = 0
     events: list[tuple[int, int, int]] = field(repr=False, default_factory=list)
+    host_peak_bytes: int = 0
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -209,6 +212,11 @@ class MemoryTracker(TorchDispatchMode):
             if idx >= start_record and rec.category is old:
                 rec.category = new
 
+    def category_of(self, tensor: torch.Tensor) -> MemoryCategory | None:
+        """The category of ``tensor``'s storage, or None if it is not tracked."""
+        idx = self._live.get(id(tensor.untyped_storage()))
+        return None if idx is None else self._records[idx].category
+
     @property
     def num_records(self) -> int:
         return len(self._records)
@@ -284,9 +292,12 @@ class MemoryTracker(TorchDispatchMode):
         phase_peak: dict[Phase, tuple[int, int]] = {}
         timeline: list[tuple[int, Phase, int]] = []
         events: list[tuple[int, int, int]] = []
+        host = host_peak = 0
         for i, ((sign, idx), phase) in enumerate(zip(self._events, self._phase_of_event)):
             rec = recs[idx]
             if rec.category is MemoryCategory.HOST:
+                host += sign * rec.nbytes
+                host_peak = max(host_peak, host)
                 continue
             cur += sign * rec.nbytes
             events.append((sign, idx, rec.nbytes))
@@ -313,6 +324,7 @@ class MemoryTracker(TorchDispatchMode):
             timeline=timeline,
             num_events=len(self._events),
             events=events,
+            host_peak_bytes=host_peak,
         )
 
     def _breakdowns_at(self, indices: list[int]) -> dict[int, dict[MemoryCategory, int]]:

@@ -136,8 +136,9 @@ def test_logits_to_keep_scales_the_logits_terms():
     k1, k2 = 128, 32
     # Per kept token: bf16 logits + fp32 upcast + fp32 log_softmax (2+4+4 bytes
     # per vocab entry), lm_head's bf16 copy of its input (2*H) saved for
-    # backward, and the int64 next-token labels of the kept positions.
-    expected = 10 * B * (k1 - k2) * V + 2 * B * (k1 - k2) * H + r(8 * B * k1) - r(8 * B * k2)
+    # backward, and ForCausalLMLoss's int64 labels: padded (b, k+1) and shifted (b, k).
+    expected = (10 * B * (k1 - k2) * V + 2 * B * (k1 - k2) * H
+                + r(8 * B * (k1 + 1)) + r(8 * B * k1) - r(8 * B * (k2 + 1)) - r(8 * B * k2))
     assert forward_peak(cfg, logits_to_keep=k1) - forward_peak(cfg, logits_to_keep=k2) == expected
 
 
