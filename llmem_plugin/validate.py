@@ -38,7 +38,7 @@ class RowCheck:
     Attributes:
         id: The row's id.
         runner: ``torch``, ``hf-trainer`` or ``tracker-cpu``.
-        status: The run's outcome: ``ok``, ``oom`` or ``error``.
+        status: The run's outcome: ``ok``, ``oom``, ``error`` or ``skipped`` (a library it needs was missing).
         edge: Whether the row was run at the edge of capacity.
         measured: Bytes per metric (None where not measured).
         predicted: Bytes per metric (None where not predicted).
@@ -251,9 +251,10 @@ def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None =
     fits_measured = {"ok": True, "oom": False}.get(status)
     base = {"id": row["id"], "runner": row.get("runner", ""), "status": status, "edge": bool(row.get("edge")),
             "measured": measured, "fits_measured": fits_measured}
-    if status == "error":
+    if status in ("error", "skipped"):  # nothing was measured (skipped: a library the case needs was missing)
+        what = "run failed" if status == "error" else "run skipped"
         return RowCheck(**base, predicted=dict.fromkeys(METRICS), error_pct=dict.fromkeys(METRICS),
-                        fits_predicted=None, note=f"run failed: {row.get('error') or 'unknown'}")
+                        fits_predicted=None, note=f"{what}: {row.get('error') or row.get('reason') or 'unknown'}")
     try:
         predicted, fits = _predict(row, fast=fast, gpu_name=gpu_name)
     except LLMemError as e:

@@ -131,3 +131,13 @@ def test_bad_files_exit_2_with_one_line(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "missing.jsonl")]) == EXIT_BAD_INPUT
     with pytest.raises(ConfigError):
         load_rows(tmp_path / "missing.jsonl")
+
+
+def test_skipped_rows_are_reported_not_scored():
+    # The harness writes "skipped" when a case needs a library the GPU machine lacks.
+    skipped = _cuda_row("no-flash")
+    skipped["status"], skipped["error"] = "skipped", "flash_attn is not importable. HINT: carry its wheel"
+    report = validate_rows([skipped])
+    assert report.rows[0].note.startswith("run skipped: flash_attn is not importable")
+    assert report.rows[0].error_pct == {m: None for m in report.rows[0].error_pct}
+    assert report.skipped == ["no-flash"]
