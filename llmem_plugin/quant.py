@@ -276,9 +276,12 @@ def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
                           "HINT: drop --quantize")
     for name, m in targets:
         model.set_submodule(name, Linear4bitStandIn.from_linear(m, spec))
+    # A 4-bit layer's bias is upcast too, but Linear4bit.forward casts it back
+    # to the compute dtype on the first call: the stand-in keeps that steady state.
+    kept = {id(m.bias) for m in model.modules() if isinstance(m, Linear4bitStandIn) and m.bias is not None}
     for p in model.parameters():
         p.requires_grad_(False)
-        if p.dtype in (torch.float16, torch.bfloat16):
+        if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in kept:
             p.data = p.data.to(torch.float32)
     # peft checks these to treat the model as a k-bit one ([P]).
     model.is_loaded_in_4bit = True

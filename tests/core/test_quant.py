@@ -71,15 +71,17 @@ def test_stored_tensors_equal_bitsandbytes(shape, double_quant, quant_type):
     assert standin_bytes(meta) == closed_form_bytes(out_f, in_f, double_quant)
 
 
-@pytest.mark.parametrize("double_quant", [False, True])
-def test_forward_values_equal_bitsandbytes_linear4bit(double_quant):
+@pytest.mark.parametrize(("double_quant", "bias"), [(False, False), (True, False), (True, True)])
+def test_forward_values_equal_bitsandbytes_linear4bit(double_quant, bias):
     bnb = pytest.importorskip("bitsandbytes")
     torch.manual_seed(0)
-    linear = nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)
-    ref = bnb.nn.Linear4bit(128, 96, bias=False, compute_dtype=torch.bfloat16, compress_statistics=double_quant,
+    linear = nn.Linear(128, 96, bias=bias, dtype=torch.bfloat16)
+    ref = bnb.nn.Linear4bit(128, 96, bias=bias, compute_dtype=torch.bfloat16, compress_statistics=double_quant,
                             quant_type="nf4")
     ref.weight = bnb.nn.Params4bit(linear.weight.detach().clone(), requires_grad=False,
                                    compress_statistics=double_quant, quant_type="nf4")._quantize("cpu")
+    if bias:
+        ref.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     spec = quant.QuantSpec(quant_type="nf4", double_quant=double_quant, compute_dtype=torch.bfloat16)
     layer = quant.Linear4bitStandIn.from_linear(linear, spec)
     x = torch.randn(2, 8, 128, requires_grad=True)
@@ -179,6 +181,15 @@ QLORA = {
 def test_fake_trace_equals_real_cpu_run(name):
     wl = Workload(lora=LoraSpec(rank=4), **QLORA[name])
     fake, real = _fake_and_real(tiny_config("llama"), wl)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_fake_trace_equals_real_cpu_run_with_biases():
+    """Qwen2's q/k/v projections carry biases (kept in the compute dtype)."""
+    wl = Workload(seq_len=32, micro_batch_size=1, precision="bf16", lora=LoraSpec(rank=4), quantize="nf4")
+    fake, real = _fake_and_real(tiny_config("qwen2"), wl)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
