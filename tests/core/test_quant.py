@@ -186,10 +186,15 @@ def test_fake_trace_equals_real_cpu_run(name):
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
 
 
-def test_fake_trace_equals_real_cpu_run_with_biases():
-    """Qwen2's q/k/v projections carry biases (kept in the compute dtype)."""
-    wl = Workload(seq_len=32, micro_batch_size=1, precision="bf16", lora=LoraSpec(rank=4), quantize="nf4")
-    fake, real = _fake_and_real(tiny_config("qwen2"), wl)
+@pytest.mark.parametrize(("arch", "targets", "precision"), [
+    ("qwen2", ("q_proj", "v_proj"), "bf16"),
+    ("gpt2", ("c_attn",), "fp16-mixed"),  # transformers Conv1D, quantized transposed
+])
+def test_fake_trace_equals_real_cpu_run_with_biases(arch, targets, precision):
+    """Biased projections (biases kept in the compute dtype)."""
+    wl = Workload(seq_len=32, micro_batch_size=1, precision=precision,
+                  lora=LoraSpec(rank=4, target_modules=targets), quantize="nf4")
+    fake, real = _fake_and_real(tiny_config(arch), wl)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
