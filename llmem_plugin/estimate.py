@@ -195,11 +195,20 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, trac
     from llmem_plugin.moe import bound_eager_routing
 
     bound_eager_routing(model)
+    reference = None
+    if workload.reference_model:
+        # Built before the policy is made fake: a frozen copy is copied from meta.
+        from llmem_plugin.reference import build_reference
+        from llmem_plugin.tracker import MemoryTracker
+
+        tracker = tracker if tracker is not None else MemoryTracker()
+        reference = build_reference(model, workload, tracker=tracker, fake_mode=fake_mode)
     modelbuild.fakeify(model, fake_mode)
     with tracing(f"the training step of {type(model).__name__}"):
         return trace_step(
             model, workload, vocab_size=vocab, fake_mode=fake_mode,
             compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker, contexts=contexts,
+            reference=reference,
         )
 
 

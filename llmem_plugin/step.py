@@ -181,8 +181,9 @@ def trace_step(
             optimizer step, which runs on the host, is not traced.
         hooks: An engine's :class:`StepHooks` (the plain loop's if None).
         reference: A frozen reference model's forward (``workload.reference_model``):
-            called with each micro-batch's input ids before the policy
-            forward; what it returns is kept until the micro-batch ends.
+            called with each micro-batch's input ids after the policy
+            forward, before backward; what it returns is kept until the
+            micro-batch ends.
 
     Returns:
         The replayed trace.
@@ -229,9 +230,6 @@ def trace_step(
                     # As HF Trainer's compute_loss: forward and loss inside
                     # autocast, backward outside (the autocast weight-cast
                     # cache is freed when the region exits).
-                    if reference is not None:
-                        # DPO-style: the frozen reference's forward under no_grad first.
-                        ref_out = reference(input_ids)
                     with offload_ctx():
                         if hf:
                             with autocast_region(autocast_dtype):
@@ -248,6 +246,9 @@ def trace_step(
                                 del out
                         # What the forward leaves alive is what backward needs.
                         tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
+                        if reference is not None:
+                            # TRL DPO: the frozen reference's no_grad forward runs after the policy's.
+                            ref_out = reference(input_ids)
                         if lightning and mb == 0:
                             optimizer.zero_grad(set_to_none=True)
                         tracker.set_phase(Phase.BACKWARD)

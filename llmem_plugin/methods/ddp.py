@@ -143,11 +143,20 @@ def estimate(
     vocab = vocab_size_of(net)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    tracker = reference = None
+    if workload.reference_model:
+        # TRL prepares the reference with evaluation_mode=True: not DDP-wrapped.
+        from llmem_plugin.reference import build_reference
+        from llmem_plugin.tracker import MemoryTracker
+
+        tracker = MemoryTracker()
+        reference = build_reference(net, workload, tracker=tracker, fake_mode=fake_mode)
     modelbuild.fakeify(net, fake_mode)
     with fake_process_group(layout.num_gpus, 0), no_data_reads():
         trace = trace_step(net, workload, vocab_size=vocab, fake_mode=fake_mode,
                            compute_capability=gpu.compute_capability, num_sms=gpu.num_sms,
-                           wrap=_wrapper(bucket_cap_mb, gradient_as_bucket_view))
+                           wrap=_wrapper(bucket_cap_mb, gradient_as_bucket_view), tracker=tracker,
+                           reference=reference)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
                                  nccl_world_sizes=(layout.num_gpus,))
     rank = rank_memory(trace, rank=0, gpu=gpu, overheads=overheads, alloc_conf=config)

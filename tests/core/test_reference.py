@@ -1,0 +1,123 @@
+"""The DPO-style reference model: its weights, its forward's transient, fake equals real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from llmem_plugin import modelbuild
+from llmem_plugin.cli import main
+from llmem_plugin.emulation import autocast_region, cuda_emulation
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.reference import build_reference, selective_log_softmax, unsupported
+from llmem_plugin.step import trace_step
+from llmem_plugin.techniques import check_supported
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, round_allocation
+from llmem_plugin.workload import LoraSpec, Workload
+
+from ..conftest import tiny_config
+
+_CFG = tiny_config("llama")
+
+
+def _trace(wl: Workload, *, real: bool):
+    tracker = MemoryTracker()
+    if real:
+        torch.manual_seed(0)
+        model, mode = modelbuild.build_model(_CFG, wl, device="cpu"), None
+    else:
+        model, mode = modelbuild.build_model(_CFG, wl, device="meta"), FakeTensorMode()
+    ref = build_reference(model, wl, tracker=tracker, fake_mode=mode) if wl.reference_model else None
+    if not real:
+        modelbuild.fakeify(model, mode)
+    return trace_step(model, wl, vocab_size=_CFG.vocab_size, fake_mode=mode, tracker=tracker, reference=ref)
+
+
+def _weight_bytes(dtype: torch.dtype) -> int:
+    """Closed form: every parameter and buffer storage of the model, once, 512-B rounded."""
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(_CFG).to(dtype)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    return sum(round_allocation(t.numel() * t.element_size()) for t in tensors)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_full_finetuning_reference_adds_the_model_weights_in_the_parameter_dtype(precision):
+    wl = Workload(seq_len=32, micro_batch_size=2, precision=precision)
+    plain = _trace(wl, real=False)
+    with_ref = _trace(Workload(**{**wl.__dict__, "reference_model": True}), real=False)
+    added = with_ref.breakdown[MemoryCategory.PARAMETER] - plain.breakdown[MemoryCategory.PARAMETER]
+    assert added == _weight_bytes(wl.precision.param_dtype)
+
+
+def test_lora_reference_is_the_policy_with_adapters_disabled_and_adds_no_weights():
+    wl = Workload(seq_len=32, micro_batch_size=2, lora=LoraSpec(rank=4))
+    plain = _trace(wl, real=False)
+    with_ref = _trace(Workload(**{**wl.__dict__, "reference_model": True}), real=False)
+    assert with_ref.breakdown[MemoryCategory.PARAMETER] == plain.breakdown[MemoryCategory.PARAMETER]
+
+
+@pytest.mark.parametrize("lora", [None, LoraSpec(rank=4)], ids=["full", "lora"])
+def test_fake_trace_equals_real_cpu_run(lora):
+    wl = Workload(seq_len=32, micro_batch_size=2, lora=lora, reference_model=True)
+    fake, real = _trace(wl, real=False), _trace(wl, real=True)
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.breakdown == real.breakdown
+    assert fake.phase_peaks == real.phase_peaks
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_reference_forward_transient_is_no_larger_than_the_policy_forward(precision):
+    wl = Workload(seq_len=64, micro_batch_size=2, precision=precision, reference_model=True)
+    torch.manual_seed(0)
+    model = modelbuild.build_model(_CFG, wl, device="cpu")
+    input_ids = torch.randint(0, _CFG.vocab_size, (2, 64))
+    peaks = {}
+    for name in ("reference", "policy"):
+        tracker = MemoryTracker()
+        with cuda_emulation(autocast_dtype=wl.precision.autocast_dtype), tracker:
+            if name == "reference":
+                out = build_reference(model, wl, tracker=tracker)(input_ids)
+                assert out.shape == (2,) and not out.requires_grad
+            else:
+                with autocast_region(wl.precision.autocast_dtype):
+                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+                assert loss.requires_grad
+        # The frozen copy's weights are registered, so count above them.
+        peaks[name] = tracker.result().peak_bytes - tracker.result().breakdown.get(MemoryCategory.PARAMETER, 0)
+    assert 0 < peaks["reference"] <= peaks["policy"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_equals_log_softmax_gather(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 17).to(dtype)
+    index = torch.randint(0, 17, (3, 5))
+    naive = torch.gather(logits.log_softmax(-1), dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(selective_log_softmax(logits, index), naive)
+
+
+def test_unsupported_names_the_method_and_hints():
+    wl = Workload(reference_model=True)
+    assert unsupported("single", wl) is None and unsupported("ddp", wl) is None
+    assert unsupported("zero3", Workload()) is None
+    reason = unsupported("zero3", wl)
+    assert "zero3" in reason and "HINT:" in reason
+    with pytest.raises(ConfigError, match="fsdp"):
+        check_supported("fsdp", wl)
+
+
+def test_cli_reference_model_doubles_full_finetuning_parameters(capsys):
+    args = ["estimate", "--model", "gpt2", "--fast", "--seq-len", "128", "--json"]
+    rows = []
+    for extra in ([], ["--reference-model"]):
+        assert main(args + extra) == 0
+        rows.append(json.loads(capsys.readouterr().out))
+    plain, with_ref = (r["breakdown"]["parameters"] for r in rows)
+    assert with_ref == 2 * plain
+    assert rows[1]["workload"]["reference_model"] is True
