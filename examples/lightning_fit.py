@@ -46,7 +46,13 @@ class CausalLM(pl.LightningModule):
         self.lr = lr
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        # use_cache=False: the KV cache is for generation. Left at the config's
+        # default (True), transformers builds a DynamicCache in training too
+        # (models/llama/modeling_llama.py, LlamaModel.forward) whose torch.cat
+        # copies of every layer's keys and values stay alive to the end of
+        # forward (cache_utils.py, DynamicLayer.update), memory the estimate,
+        # which runs use_cache=False (llmem_plugin/step.py, _forward), omits.
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
         self.log("loss", loss)
         return loss
 
