@@ -47,7 +47,9 @@ Constants and their sources:
 * Optimizer traffic per trainable element (fp32 states): AdamW reads
   parameter, gradient, m, v and writes parameter, m, v (7 x 4 B); SGD with
   momentum reads 3 and writes 2 (5 x 4 B); Adafactor's factored state is
-  negligible (3 x 4 B). Memory-bound kernels, at the catalog's HBM bandwidth.
+  negligible (3 x 4 B); the per-parameter AdamW loop moves AdamW's bytes;
+  bitsandbytes' 8-bit AdamW moves 1-byte states (16 B). Memory-bound
+  kernels, at the catalog's HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ _OPTIMIZER_ELEMENT_BYTES = {
     OptimizerKind.ADAMW_FUSED: 7 * 4,
     OptimizerKind.SGD: 5 * 4,
     OptimizerKind.ADAFACTOR: 3 * 4,
+    OptimizerKind.ADAMW_FORLOOP: 7 * 4,
+    # bitsandbytes 8-bit AdamW: parameter and gradient in 4 B, m and v in 1 B
+    # each (blockwise uint8 states, bitsandbytes/optim/optimizer.py), read and
+    # written as for AdamW: 4 + 4 + 1 + 1 read, 4 + 1 + 1 written.
+    OptimizerKind.ADAMW_8BIT: 16,
+    # Paged states are the same bytes, resident on the device while they fit.
+    OptimizerKind.PAGED_ADAMW: 7 * 4,
+    OptimizerKind.PAGED_ADAMW_8BIT: 16,
 }
 
 

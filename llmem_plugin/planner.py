@@ -51,7 +51,7 @@ from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
 from llmem_plugin.gpus import GPU
 from llmem_plugin.methods import Layout, MethodEstimate, estimate_method
 from llmem_plugin.tracker import MemoryCategory
-from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Workload
+from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Quantization, Workload
 
 __all__ = ["DEFAULT_MARGIN", "Candidate", "Plan", "Suggestion", "plan"]
 
@@ -406,8 +406,11 @@ class _Base:
 def _state_bytes_per_element(wl: Workload) -> int:
     """Least optimizer-state bytes per trainable element on any engine."""
     elem = 2 if wl.precision is Precision.BF16 else 4
-    return {OptimizerKind.ADAMW: 2 * elem, OptimizerKind.ADAMW_FUSED: 2 * elem, OptimizerKind.SGD: elem,
-            OptimizerKind.ADAFACTOR: 0}[wl.optimizer]
+    # bitsandbytes 8-bit AdamW: two uint8 states (more for tensors under its
+    # min_8bit_size); paged states live outside the device fit (docs/techniques/optimizers.md).
+    return {OptimizerKind.ADAMW: 2 * elem, OptimizerKind.ADAMW_FUSED: 2 * elem,
+            OptimizerKind.ADAMW_FORLOOP: 2 * elem, OptimizerKind.SGD: elem, OptimizerKind.ADAFACTOR: 0,
+            OptimizerKind.ADAMW_8BIT: 2, OptimizerKind.PAGED_ADAMW: 0, OptimizerKind.PAGED_ADAMW_8BIT: 0}[wl.optimizer]
 
 
 def _shard(kind: str, layout: Layout, tp: int) -> int:
@@ -1100,6 +1103,12 @@ def _suggestions(model: Any, failed: Plan, kw: dict[str, Any], cache: dict) -> l
             attempt("CPU offload (" + ", ".join(offload) + ")", methods=offload)
     if wl.lora is None:
         attempt("LoRA (rank 16 on q/k/v/o)", workload=dataclasses.replace(wl, lora=LoraSpec(rank=16)))
+        if wl.optimizer in (OptimizerKind.ADAMW, OptimizerKind.ADAMW_FUSED, OptimizerKind.ADAMW_FORLOOP):
+            attempt("8-bit AdamW (--optimizer adamw8bit)",
+                    workload=dataclasses.replace(wl, optimizer=OptimizerKind.ADAMW_8BIT))
+    elif wl.quantize is None:
+        attempt("QLoRA (--quantize nf4 --double-quant)",
+                workload=dataclasses.replace(wl, quantize=Quantization.NF4, double_quant=True))
     seq = wl.seq_len // 2
     while seq >= 128:
         if attempt(f"--seq-len {seq}", workload=dataclasses.replace(wl, seq_len=seq)):

@@ -14,7 +14,7 @@ import transformers
 from llmem_plugin.errors import ConfigError, WontFitError
 from llmem_plugin.methods import Layout, estimate_method
 from llmem_plugin.planner import DEFAULT_MARGIN, plan, planner_methods
-from llmem_plugin.workload import LoraSpec, Workload
+from llmem_plugin.workload import LoraSpec, OptimizerKind, Workload
 
 GIB = 2**30
 METHODS = ["ddp", "zero2", "zero3", "fsdp", "dp-tp"]
@@ -224,3 +224,15 @@ def test_method_fast_mode_extrapolates_the_allocated_peak(method):
     assert any("fast: extrapolated" in n for n in fast.notes)
     assert fast.worst.peak_allocated_bytes == pytest.approx(full.worst.peak_allocated_bytes, rel=0.01)
     assert fast.comm_intra_node_bytes == pytest.approx(full.comm_intra_node_bytes, rel=0.01)
+
+
+@pytest.mark.parametrize("kind", list(OptimizerKind))
+def test_every_optimizer_has_a_state_bound_and_a_step_cost(kind):
+    from llmem_plugin.cost import optimizer_bytes_per_element
+    from llmem_plugin.planner import _state_bytes_per_element
+
+    wl = Workload(optimizer=kind)
+    # AdamW's two fp32 states (4 + 4 B per element) bound every kind from above:
+    # 8-bit states take 1 B each, paged ones live outside the device fit.
+    assert 0 <= _state_bytes_per_element(wl) <= 8
+    assert 0 < optimizer_bytes_per_element(kind) <= 7 * 4
