@@ -159,7 +159,9 @@ def estimate(
                            reference=reference)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
                                  nccl_world_sizes=(layout.num_gpus,))
-    rank = rank_memory(trace, rank=0, gpu=gpu, overheads=overheads, alloc_conf=config)
+    # Pinned host copies of offloaded activations (llmem_plugin.actoffload).
+    host = trace.host_peak_bytes if workload.offload_activations is not None else 0
+    rank = rank_memory(trace, rank=0, gpu=gpu, overheads=overheads, alloc_conf=config, host_bytes=host)
     sent = workload.grad_accum_steps * ring_allreduce_bytes(grad_bytes, layout.num_gpus)
     notes = [f"buckets of {bucket_cap_mb} MiB (first 1 MiB), gradient_as_bucket_view={gradient_as_bucket_view}",
              "all-reduce every micro-batch (no no_sync)"]

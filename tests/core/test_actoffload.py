@@ -146,3 +146,16 @@ def test_cli_reports_pinned_host_memory(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "pinned host memory (streamed activation offload)" in out
+
+
+def test_ddp_rank_needs_the_single_gpu_pinned_host_bytes():
+    from llmem_plugin.estimate import estimate
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.methods import Layout, estimate_method
+
+    wl = Workload(seq_len=32, micro_batch_size=2, offload_activations="save-on-cpu")
+    cfg = tiny_config("llama")
+    single = estimate(cfg, wl)
+    ddp = estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=2), gpu=get_gpu("h100-sxm"))
+    # DDP's forward saves what the module saves; its buckets hold gradients, not saved tensors.
+    assert ddp.ranks[0].host_bytes == single.host_peak_bytes > 0

@@ -121,3 +121,14 @@ def test_cli_reference_model_doubles_full_finetuning_parameters(capsys):
     plain, with_ref = (r["breakdown"]["parameters"] for r in rows)
     assert with_ref == 2 * plain
     assert rows[1]["workload"]["reference_model"] is True
+
+
+def test_ddp_reference_adds_the_same_weights_as_on_one_gpu():
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.methods import Layout, estimate_method
+
+    wl = Workload(seq_len=32, micro_batch_size=2)
+    ranks = [estimate_method("ddp", _CFG, w, layout=Layout(num_gpus=2), gpu=get_gpu("h100-sxm")).ranks[0]
+             for w in (wl, Workload(**{**wl.__dict__, "reference_model": True}))]
+    added = ranks[1].breakdown["parameters"] - ranks[0].breakdown["parameters"]
+    assert added == _weight_bytes(wl.precision.param_dtype)
