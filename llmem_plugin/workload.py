@@ -193,7 +193,7 @@ class Workload:
         loss_chunks: Chunks of the sequence for ``loss="chunked"``.
         offload_activations: See :class:`ActivationOffload`, or None.
         reference_model: Also run a frozen reference model's forward under
-            ``no_grad`` before each policy forward, as DPO does (TRL): a
+            ``no_grad`` after each policy forward, as DPO does (TRL): a
             frozen copy of the model in the parameter dtype, or with LoRA the
             same model with its adapters disabled.
     """
