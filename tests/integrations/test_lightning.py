@@ -173,7 +173,7 @@ def _fit(tmp_path, *, module_cls: str = "FreeGradsAfterStep", precision: str = "
 
 def test_one_device_trains_single_device_and_matches_the_estimate(tmp_path):
     before = dict(os.environ)
-    trainer, module, _ = _fit(tmp_path, gpu="h100-sxm")
+    trainer, module, _ = _fit(tmp_path, module_cls="CausalLM", gpu="h100-sxm")
     assert trainer.strategy.launcher is None and "LOCAL_RANK" not in set(os.environ) - set(before)
     assert type(trainer.strategy) is ls.SingleDeviceStrategy
     assert type(trainer.precision_plugin) is Precision
@@ -181,17 +181,23 @@ def test_one_device_trains_single_device_and_matches_the_estimate(tmp_path):
     (row,) = _rows(tmp_path)
     assert row["method"]["name"] == "single" and row["runner"] == "lightning" and row["device"] == "cpu"
     # the prediction is the estimate of the live model at the first batch's shape
-    wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32", optimizer="adamw")
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32", optimizer="adamw", runner="lightning")
     live = _common.live_model(module)
     want = _common.check(live, wl, gpu=_common.resolve_target("h100-sxm", None)[0]).prediction
     assert row["predicted"]["tensor_bytes"] == want.tensor_bytes
     err = 100 * (want.tensor_bytes - row["measured"]["allocated_bytes"]) / row["measured"]["allocated_bytes"]
-    assert abs(err) <= 3.0, err  # measured: +1.35% (the batch the meter does not see)
+    # As in the two-rank test below: the meter also counts the Dataset's whole
+    # int64 token tensor (host memory in a CUDA run) and self.log("loss")'s
+    # four one-element tensors, which the estimate cannot see.
+    like = row["measured"]["allocated_bytes"] - (-(-16 * 32 * 8 // 512) * 512) - 4 * 512
+    err = 100 * (want.tensor_bytes - like) / like
+    assert 0 <= err <= 3.0, err  # measured: 0.0 (-0.18% before the two are taken out)
     with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
         logged = f.read()
     for key in ("llmem/predicted_peak_gib", "llmem/actual_peak_gib", "llmem/error_pct"):
         assert key in logged and key in trainer.callback_metrics
-    assert float(trainer.callback_metrics["llmem/error_pct"]) == pytest.approx(err, abs=1e-3)
+    raw = 100 * (want.tensor_bytes - row["measured"]["allocated_bytes"]) / row["measured"]["allocated_bytes"]
+    assert float(trainer.callback_metrics["llmem/error_pct"]) == pytest.approx(raw, abs=1e-3)
 
 
 def test_the_precision_plugin_is_chosen_for_the_real_strategy(tmp_path):
