@@ -9,17 +9,16 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmem_plugin import modelbuild, quant
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.methods import method_names
-from llmem_plugin.step import trace_step
 from llmem_plugin.techniques import check_supported
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..conftest import tiny_config
+from .test_fake_equals_real import fake_and_real
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
 
@@ -157,17 +156,6 @@ def test_kernel_choice_follows_bitsandbytes_tiers():
         quant.uses_fused_kernel(256, 4096, 4096, torch.bfloat16, compute_capability=(8, 6), num_sms=84)
 
 
-def _fake_and_real(cfg, wl):
-    fake_model = modelbuild.build_model(cfg, wl, device="meta")
-    fake_mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, fake_mode)
-    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=fake_mode)
-    torch.manual_seed(0)
-    real_model = modelbuild.build_model(cfg, wl, device="cpu")
-    real = trace_step(real_model, wl, vocab_size=cfg.vocab_size)
-    return fake, real
-
-
 QLORA = {
     "nf4-dq-bf16-mixed": {"seq_len": 64, "micro_batch_size": 2, "precision": "bf16-mixed", "quantize": "nf4",
                           "double_quant": True},
@@ -180,7 +168,7 @@ QLORA = {
 @pytest.mark.parametrize("name", sorted(QLORA))
 def test_fake_trace_equals_real_cpu_run(name):
     wl = Workload(lora=LoraSpec(rank=4), **QLORA[name])
-    fake, real = _fake_and_real(tiny_config("llama"), wl)
+    fake, real = fake_and_real(tiny_config("llama"), wl)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
@@ -194,7 +182,7 @@ def test_fake_trace_equals_real_cpu_run_with_biases(arch, targets, precision):
     """Biased projections (biases kept in the compute dtype)."""
     wl = Workload(seq_len=32, micro_batch_size=1, precision=precision,
                   lora=LoraSpec(rank=4, target_modules=targets), quantize="nf4")
-    fake, real = _fake_and_real(tiny_config(arch), wl)
+    fake, real = fake_and_real(tiny_config(arch), wl)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
