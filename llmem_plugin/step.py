@@ -17,7 +17,11 @@ import torch
 from torch import nn
 
 from llmem_plugin import _pause
-from llmem_plugin.emulation import DEFAULT_COMPUTE_CAPABILITY, autocast_region, cuda_emulation
+from llmem_plugin.emulation import (
+    DEFAULT_COMPUTE_CAPABILITY,
+    autocast_region,
+    cuda_emulation,
+)
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Runner, Workload
 

@@ -253,7 +253,7 @@ def _head_dim_rounded(d: int) -> int:  # [F] round_multiple(head_size, head_size
 def _reference(q, k, v, scale, causal, window, softcap, dropout_p, seed, grad=None):
     """fp32 attention on ``[b, s, h, d]`` (k/v may have fewer heads); with
     ``grad``, the grads of q and of k/v expanded to q's heads instead."""
-    b, s_q, h, _ = q.shape
+    _, s_q, h, _ = q.shape
     s_k, h_k = k.size(1), k.size(2)
     qf = q.detach().float().transpose(1, 2)
     kf = k.detach().float().transpose(1, 2).repeat_interleave(h // h_k, 1)
@@ -335,7 +335,7 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, rng_state = ctx.saved_tensors
+        q, k, v, out, _lse, _rng_state = ctx.saved_tensors
         d_og, dropout_p, scale, causal, window, softcap, deterministic, seed, target = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dout_p = F.pad(dout, [0, 8 - d_og % 8]) if d_og % 8 else dout

@@ -61,7 +61,7 @@ def test_to_dict_round_trips_through_the_constructor():
 
 
 def test_cli_flags_reach_the_workload(monkeypatch):
-    import llmem_plugin.cli as cli
+    from llmem_plugin import cli
 
     seen = {}
 

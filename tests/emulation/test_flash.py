@@ -22,13 +22,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmem_plugin import _pause, modelbuild
 from llmem_plugin.cli import EXIT_BAD_INPUT, main
 from llmem_plugin.emulation import flash
-from llmem_plugin.emulation.flash import ATTN_NAME, attn_implementation_name, flash_attn_func
+from llmem_plugin.emulation.flash import (
+    ATTN_NAME,
+    attn_implementation_name,
+    flash_attn_func,
+)
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.step import trace_step
 from llmem_plugin.techniques import check_supported
 from llmem_plugin.tracker import MemoryCategory, Phase
 from llmem_plugin.workload import Workload
-
 from tests.conftest import tiny_config
 
 BF16 = torch.bfloat16
