@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["REQUIRE_ENV", "ROOT", "StubUnavailable", "missing", "run_json", "run_python"]
+__all__ = ["EXIT", "REQUIRE_ENV", "ROOT", "StubUnavailable", "missing", "run_json", "run_python"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "stubcuda" / "run"
@@ -22,6 +22,14 @@ BUILD = ROOT / "stubcuda" / "build"
 # Set by .ci/run: a missing stub environment fails the stub tests instead of
 # skipping them.
 REQUIRE_ENV = "LLMEM_REQUIRE_STUB"
+
+
+# End of a stub script: flush and leave without interpreter finalization. On the
+# stub every kernel is instant, so a script that ends right after backward()
+# can reach finalization while autograd's device thread is still releasing the
+# graph; that thread then takes the GIL during finalization and the process
+# aborts ("terminate called without an active exception"), after its output.
+EXIT = "import os as _os, sys as _sys; _sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)"
 
 
 class StubUnavailable(RuntimeError):
