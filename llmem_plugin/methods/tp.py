@@ -348,9 +348,12 @@ def _no_view_warnings() -> Iterator[None]:
         yield
 
 
-def _parallelize(model: nn.Module, *, layout: Layout, data_parallel: str, sequence_parallel: bool) -> tuple[Any, Any]:
+def _parallelize(model: nn.Module, *, layout: Layout, data_parallel: str, sequence_parallel: bool,
+                 device_type: str = "cpu") -> tuple[Any, Any]:
     """Apply TP (and FSDP2 over dp) to ``model`` in place, in torchtitan's
     order: TP first, then data parallel over the TP-sharded DTensors.
+    ``device_type`` is the meshes' ("cuda" where the step runs on a CUDA
+    build, as benchmarks/groundtruth/stub_worker.py runs it).
 
     Must run inside a (fake) process group of ``layout.num_gpus`` ranks and
     outside any FakeTensorMode (shared FACTS: device meshes fail under it).
@@ -362,10 +365,10 @@ def _parallelize(model: nn.Module, *, layout: Layout, data_parallel: str, sequen
     from torch.distributed.tensor.parallel import parallelize_module
 
     if data_parallel == "none":
-        tp_mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
+        tp_mesh = init_device_mesh(device_type, (layout.tp,), mesh_dim_names=("tp",))
         dp_mesh = None
     else:
-        mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
         tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
     # peft's PeftModel wraps the transformers model; the plan names the latter's modules.
     base = model.get_base_model() if hasattr(model, "peft_config") else model
