@@ -96,10 +96,12 @@ class _Nvml:
 class _Recorder:
     """Reads the three numbers after each step and reports the row as it grows."""
 
-    def __init__(self, row: dict, nvml: _Nvml | None, progress: Callable[[dict], None]) -> None:
+    def __init__(self, row: dict, nvml: _Nvml | None, progress: Callable[[dict], None], *,
+                 device_used: bool = True) -> None:
         self.row = row
         self.nvml = nvml
         self.progress = progress
+        self.device_used = device_used  # False on the stub device: its used memory is not a GPU's
         self.step_in_progress = 0  # 0: before the first step (model build, optimizer)
 
     def reset(self) -> None:
@@ -115,7 +117,9 @@ class _Recorder:
         import torch
 
         torch.cuda.synchronize()
-        if self.nvml is not None:
+        if not self.device_used:
+            used = None
+        elif self.nvml is not None:
             used = self.nvml.used()
         else:
             free, total = torch.cuda.mem_get_info()
@@ -256,7 +260,8 @@ def _trainer_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str 
         trainer.train()
 
 
-def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambda row: None) -> dict:
+def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambda row: None,
+             stub: dict | None = None) -> dict:
     """Run ``case`` on ``cuda:0`` and return its row.
 
     Args:
@@ -264,6 +269,10 @@ def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambd
         steps: Optimizer steps to run.
         progress: Called with the (unfinished) row whenever it changes, so a
             killed worker leaves what it measured.
+        stub: Set when ``cuda:0`` is the stub device
+            (:mod:`benchmarks.groundtruth.stub`): what the row records about
+            it. The row's ``device`` is then "stub", and the device's used
+            memory is not read (null).
 
     Returns:
         The finished row: status "ok", "oom" (``torch.OutOfMemoryError``; its
@@ -274,17 +283,21 @@ def run_case(case: Case, *, steps: int, progress: Callable[[dict], None] = lambd
     import torch
 
     t0 = time.perf_counter()
-    nvml = _Nvml.open()
+    nvml = _Nvml.open() if stub is None else None
     idle_used = nvml.used() if nvml is not None else None  # before this process's CUDA context exists
     torch.cuda.init()
     uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
     if nvml is not None and not nvml.matches(uuid):
         nvml, idle_used = _Nvml.open(uuid), None
-    env = rows.environment(driver=nvml.driver() if nvml is not None else None,
-                           nvml_source=_Nvml.source if nvml is not None else "mem_get_info")
-    row = rows.new_row(case, device="cuda", runner=case.runner, env=env, gpu=_gpu_info(nvml, idle_used))
+    if stub is None:
+        env = rows.environment(driver=nvml.driver() if nvml is not None else None,
+                               nvml_source=_Nvml.source if nvml is not None else "mem_get_info")
+    else:
+        env = rows.environment()
+    row = rows.new_row(case, device="cuda" if stub is None else "stub", runner=case.runner, env=env,
+                       gpu=_gpu_info(nvml, idle_used), stub=stub)
     progress(row)
-    rec = _Recorder(row, nvml, progress)
+    rec = _Recorder(row, nvml, progress, device_used=stub is None)
     try:
         torch.manual_seed(0)
         model = techniques.build_model(case, device="cuda")

@@ -32,7 +32,7 @@ from typing import Any
 from llmem_plugin import catalog
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
+__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "STUB_CASES", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
 
 RUNNERS = ("torch", "hf-trainer", "tracker-cpu")
 _EXPECT = (None, "fit", "oom", "boundary")
@@ -284,6 +284,45 @@ GPU_CASES: list[Case] = _BASE + _EDGE + _TECH
 TECHNIQUE_CASES: list[Case] = list(_TECH)
 
 
+def _gpu(case_id: str) -> Case:
+    (case,) = [c for c in GPU_CASES if c.id == case_id]
+    return case
+
+
+# The stub device's whole-step checks (benchmarks/groundtruth/stub.py): one
+# GPU, the allocator's peaks against the estimate's. GPU cases where one
+# fits, so a GPU run of the same ids sits beside them; new ones (fp16
+# autocast, accumulation 2, a small MoE) where the GPU matrix has none.
+# Nothing is computed on the stub, so sizes cost only host time.
+_QWEN3_MOE_SMALL = {"num_hidden_layers": 4}  # 128 experts, top-8, as the full model; 4 of its 48 layers
+STUB_CASES: list[Case] = [
+    _gpu("gpt2-fp32-s1024-b8-sdpa"),
+    _gpu("gpt2-bf16-mixed-s1024-b16-eager"),
+    _gpu("opt-125m-fp32-s2048-b4-eager"),
+    _gpu("opt-125m-bf16-mixed-s512-b16-sdpa-adamw-fused"),
+    _gpu("qwen2.5-0.5b-bf16-mixed-s2048-b4-sdpa"),
+    _gpu("qwen2.5-0.5b-bf16-s4096-b2-sdpa-adamw-fused"),
+    _case("qwen2.5-0.5b", "fp16-mixed", 1024, 4),
+    _gpu("llama-3.2-1b-fp32-s1024-b2-sdpa"),
+    _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-sdpa"),
+    _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-eager"),
+    _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-sdpa-trainer"),
+    _gpu("llama-3.2-1b-bf16-s4096-b4-gc-sdpa-adamw-fused"),
+    _gpu("llama-3.2-1b-bf16-mixed-s2048-b16-gc-sdpa"),
+    _gpu("llama-3.2-1b-bf16-mixed-s4096-b2-lora-sdpa"),
+    _case("llama-3.2-1b", "fp16-mixed", 2048, 2, lora=LORA),
+    _case("llama-3.2-1b", "bf16-mixed", 1024, 2, accum=2),
+    _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-sdpa-sgd"),
+    _gpu("llama-3.2-1b-bf16-s1024-b4-sdpa-adafactor"),
+    _gpu("llama-3.2-1b-bf16-s2048-b2-flash_attention_2"),
+    _gpu("gemma-2-2b-bf16-mixed-s1024-b2-eager"),
+    _gpu("phi-3-mini-bf16-s2048-b2-sdpa-adamw-fused"),
+    _gpu("llama-3.1-8b-bf16-s512-b1-sdpa"),
+    _gpu("llama-3.1-8b-bf16-mixed-s2048-b1-lora-sdpa"),
+    _case("qwen3-30b-a3b", "bf16", 1024, 2, lora=LORA, overrides=_QWEN3_MOE_SMALL, prefix="l4-"),
+]
+
+
 def _tiny(**extra: Any) -> dict[str, Any]:
     # As tests/conftest.py TINY_CONFIGS: 2 layers, hidden 64, GQA 4/2 heads, vocab 512.
     return {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -341,3 +380,5 @@ def _check_unique(cases: list[Case]) -> None:
 
 
 _check_unique(GPU_CASES + CPU_CASES)
+_check_unique(STUB_CASES)
+_check_unique(GPU_CASES + [c for c in STUB_CASES if c not in GPU_CASES] + CPU_CASES)

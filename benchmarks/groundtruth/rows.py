@@ -2,13 +2,19 @@
 
 The schema (README.md repeats it) is what ``llmem validate`` reads::
 
-    id, model, config_overrides, runner, device, edge, workload, status, error,
+    id, model, config_overrides, runner, device, device_kind, edge, workload, status, error,
     steps[{step, allocated_bytes, reserved_bytes, device_used_bytes}],
     measured{allocated_bytes, reserved_bytes, device_total_bytes},
     gpu{name, memory_bytes, compute_capability, idle_used_bytes} | null,
     env{torch, transformers, peft, cuda, cudnn, driver, python, nvml_source,
         PYTORCH_CUDA_ALLOC_CONF, date, host},
-    seconds
+    seconds,
+    stub{gpu, capacity_bytes, libraries, cudnn_sdp_enabled, neutralised, device_reads} | null
+
+``device_kind`` says what kind of evidence the row is: "gpu" (a real GPU,
+``device`` "cuda"), "stub" (the stub CUDA device, ``device`` "stub": the
+caching allocator's numbers for a step whose kernels did nothing; never GPU
+truth) or "cpu" (the tracker on the CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from llmem_plugin.verify import (
 )
 
 __all__ = [
+    "DEVICE_KINDS",
     "ENV_KEYS",
     "GPU_KEYS",
     "MEASURED_KEYS",
@@ -37,8 +44,8 @@ __all__ = [
     "step_record",
 ]
 
-ROW_KEYS = ("id", "model", "config_overrides", "runner", "device", "edge", "workload", "status", "error",
-            "steps", "measured", "gpu", "env", "seconds")
+ROW_KEYS = ("id", "model", "config_overrides", "runner", "device", "device_kind", "edge", "workload", "status",
+            "error", "steps", "measured", "gpu", "env", "seconds", "stub")
 STEP_KEYS = ("step", "allocated_bytes", "reserved_bytes", "device_used_bytes")
 MEASURED_KEYS = ("allocated_bytes", "reserved_bytes", "device_total_bytes")
 GPU_KEYS = ("name", "memory_bytes", "compute_capability", "idle_used_bytes")
@@ -46,16 +53,25 @@ ENV_KEYS = ("torch", "transformers", "peft", "cuda", "cudnn", "driver", "python"
             "PYTORCH_CUDA_ALLOC_CONF", "date", "host")
 # "skipped": the case needs a library the machine lacks (techniques.Skipped); ``error`` names it.
 STATUSES = ("ok", "oom", "error", "skipped")
+# The kind of evidence per ``device`` value.
+DEVICE_KINDS = {"cuda": "gpu", "stub": "stub", "cpu": "cpu"}
 
 
-def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: dict | None = None) -> dict:
-    """A row for ``case`` with no measurement yet (status "error" until finished)."""
+def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: dict | None = None,
+            stub: dict | None = None) -> dict:
+    """A row for ``case`` with no measurement yet (status "error" until finished).
+
+    ``device`` is "cuda", "stub" or "cpu"; ``stub`` what a stub row records
+    about the stub device (``benchmarks.groundtruth.stub``).
+    """
+    assert device in DEVICE_KINDS, device
     return {
         "id": case.id,
         "model": case.model,
         "config_overrides": case.overrides,
         "runner": runner,
         "device": device,
+        "device_kind": DEVICE_KINDS[device],
         "edge": case.edge,
         "workload": case.workload.to_dict(),
         "status": "error",
@@ -65,6 +81,7 @@ def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: d
         "gpu": gpu,
         "env": env,
         "seconds": None,
+        "stub": stub,
     }
 
 

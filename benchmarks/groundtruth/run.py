@@ -5,16 +5,21 @@ From the repository root::
     python -m benchmarks.groundtruth.run --device cuda --out benchmarks/groundtruth/data/groundtruth-h100-80gb-DATE.jsonl
     python -m benchmarks.groundtruth.run --device cuda --out rows.jsonl --only llama-3.1-8b-bf16-s512-b1-sdpa
     python -m benchmarks.groundtruth.run --device cpu --out rows.jsonl
+    python -m benchmarks.groundtruth.run --device stub --out benchmarks/groundtruth/data/stub-h100-DATE.jsonl
     python -m benchmarks.groundtruth.run --list
 
 On CUDA every case runs in its own worker process (this module with the
 hidden ``--worker`` flag), under ``--timeout-s``; the parent never touches the
-GPU, so the workers' numbers include exactly one CUDA context. On the CPU the
-cases run in this process. Rows are appended (and flushed) as each case ends.
+GPU, so the workers' numbers include exactly one CUDA context. On the stub
+device (``stubcuda``: torch's CUDA build with no GPU) the same worker runs
+under ``stubcuda/run`` with the stub environment's interpreter
+(:mod:`benchmarks.groundtruth.stub`); its rows are stub evidence. On the CPU
+the cases run in this process. Rows are appended (and flushed) as each case ends.
 
 Exit codes: 0 when every row has status "ok", "oom" or "skipped" (a library
 the case needs is not installed; the row says which); 1 when some row has
-status "error"; 2 for bad arguments or ``--device cuda`` without a GPU.
+status "error"; 2 for bad arguments, ``--device cuda`` without a GPU or
+``--device stub`` without the stub environment.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.groundtruth import rows
-from benchmarks.groundtruth.matrix import CPU_CASES, GPU_CASES, Case, find
+from benchmarks.groundtruth.matrix import CPU_CASES, GPU_CASES, STUB_CASES, Case, find
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_ERROR_ROWS", "main", "select_cases"]
 
@@ -50,7 +55,10 @@ def select_cases(device: str, ids: Sequence[str] | None) -> list[Case]:
     """The cases to run on ``device``: all of its matrix, or those named by ``ids``.
 
     On CUDA, ids of the tiny CPU cases are accepted too and run under the
-    "torch" runner (a quick smoke test of the GPU path).
+    "torch" runner (a quick smoke test of the GPU path). On the stub device
+    the default is ``STUB_CASES``, and any GPU or CPU case id is accepted
+    too (``--device cuda`` accepts the stub ids as well, so a GPU can run
+    the stub's configurations side by side).
 
     Raises:
         ValueError: An id names no case of ``device``.
@@ -58,15 +66,17 @@ def select_cases(device: str, ids: Sequence[str] | None) -> list[Case]:
     if device == "cpu":
         return find(list(ids), CPU_CASES) if ids else list(CPU_CASES)
     if not ids:
-        return list(GPU_CASES)
+        return list(STUB_CASES if device == "stub" else GPU_CASES)
     cpu_ids = {c.id for c in CPU_CASES}
-    picked = find(list(ids), GPU_CASES + CPU_CASES)
+    gpu_ids = {c.id for c in GPU_CASES}
+    picked = find(list(ids), GPU_CASES + [c for c in STUB_CASES if c.id not in gpu_ids] + CPU_CASES)
     return [dataclasses.replace(c, runner="torch") if c.id in cpu_ids else c for c in picked]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {_MODULE}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), help="cuda: real GPU runs; cpu: tiny models, tracker")
+    p.add_argument("--device", choices=("cuda", "stub", "cpu"),
+                   help="cuda: real GPU runs; stub: the CUDA worker on stubcuda (no GPU); cpu: tiny models, tracker")
     p.add_argument("--out", help="JSONL file to append rows to")
     p.add_argument("--only", nargs="+", metavar="ID", help="run only these case ids (see --list)")
     p.add_argument("--steps", type=int, default=None,
@@ -75,12 +85,19 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"per-case limit on CUDA, seconds (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     p.add_argument("--worker", metavar="ID", help=argparse.SUPPRESS)
+    p.add_argument("--worker-device", choices=("cuda", "stub"), default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--stub-gpu", default=None,
+                   help="stub device: the catalog GPU it reports (default h100-sxm)")
     p.add_argument("--row-file", help=argparse.SUPPRESS)
     return p
 
 
 def _list_cases() -> None:
-    for title, cases in (("GPU cases", GPU_CASES), ("CPU cases", CPU_CASES)):
+    gpu_ids = {c.id for c in GPU_CASES}
+    stub_only = [c for c in STUB_CASES if c.id not in gpu_ids]
+    for title, cases in (("GPU cases", GPU_CASES), ("Stub cases (the default of --device stub; also "
+                                                     f"{len(STUB_CASES) - len(stub_only)} GPU cases)", stub_only),
+                         ("CPU cases", CPU_CASES)):
         print(f"{title} ({len(cases)}):")
         for c in cases:
             edge = f"  [edge: {c.expect}]" * c.edge + f"  {c.note}" * bool(c.note)
@@ -109,11 +126,22 @@ def _tail(text: str | bytes | None, limit: int = 300) -> str:
     return lines[-1][-limit:] if lines else ""
 
 
-def _run_worker(case_id: str, steps: int, row_file: str) -> int:
+def _run_worker(case_id: str, steps: int, row_file: str, device: str = "cuda", stub_gpu: str | None = None) -> int:
+    (case,) = select_cases(device, [case_id])
+    progress = lambda r: _write_json_atomic(row_file, r)  # noqa: E731
+    if device == "stub":
+        from benchmarks.groundtruth import stub
+
+        row = stub.worker_case(case, steps=steps, gpu=stub_gpu or stub.STUB_GPU, progress=progress)
+        _write_json_atomic(row_file, row)
+        # On the stub every kernel is instant: leave before interpreter
+        # finalization, which can race autograd's device thread and abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from benchmarks.groundtruth import cuda
 
-    (case,) = select_cases("cuda", [case_id])
-    row = cuda.run_case(case, steps=steps, progress=lambda r: _write_json_atomic(row_file, r))
+    row = cuda.run_case(case, steps=steps, progress=progress)
     _write_json_atomic(row_file, row)
     return 0
 
@@ -163,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _list_cases()
         return 0
     if args.worker:
-        return _run_worker(args.worker, args.steps or DEFAULT_STEPS, args.row_file)
+        return _run_worker(args.worker, args.steps or DEFAULT_STEPS, args.row_file, args.worker_device, args.stub_gpu)
     if args.device is None or args.out is None:
         print("error: --device and --out are required. HINT: python -m "
               f"{_MODULE} --device cpu --out rows.jsonl", file=sys.stderr)
@@ -184,12 +212,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --device cuda needs a CUDA GPU, and torch {torch.__version__} sees none on this machine. "
                   "HINT: use --device cpu", file=sys.stderr)
             return EXIT_BAD_INPUT
+    elif args.device == "stub":
+        from stubcuda import runner
+
+        why = runner.missing()
+        if why:
+            print(f"error: --device stub needs the stub CUDA device: {why}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     elif args.steps is not None:
         print(f"warning: --steps {args.steps} ignored on the CPU: the tracker runs llmem_plugin.step.NUM_ITERATIONS "
               "steps", file=sys.stderr)
     if args.device == "cuda":
         def run_one(case: Case) -> dict:
             return _run_in_worker(case, steps=args.steps or DEFAULT_STEPS, timeout_s=args.timeout_s)
+    elif args.device == "stub":
+        from benchmarks.groundtruth import stub
+
+        def run_one(case: Case) -> dict:
+            return stub.run_case(case, steps=args.steps or DEFAULT_STEPS, timeout_s=args.timeout_s,
+                                 gpu=args.stub_gpu or stub.STUB_GPU)
     else:
         from benchmarks.groundtruth.cpu import run_case as run_one
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
