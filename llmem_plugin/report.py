@@ -125,46 +125,82 @@ def _signed(v: float | None) -> str:
     return "" if v is None else f"{v:+.2f}%"
 
 
-def render_validation(report: ValidationReport, console: Console) -> None:
-    """Print each row's measured / predicted size and signed % error, then the summary."""
-    sizes = [v for r in report.rows for d in (r.measured, r.predicted) for v in d.values() if v]
-    unit, div = ("GiB", _GIB) if sizes and max(sizes) >= _GIB else ("MiB", 2**20)
-    table = Table(title=f"measured / predicted {unit}, error = (predicted - measured) / measured",
-                  title_justify="left")
+def _validation_table(title: str, checks: Sequence, div: int, *, stub: bool) -> Table:
+    table = Table(title=title, title_justify="left")
     table.add_column("row", overflow="fold")
     table.add_column("status")
     for m in METRICS:
         table.add_column(m.replace("_", " "), justify="right")
-    table.add_column("fits meas/pred")
-    for r in report.rows:
+    table.add_column("pred - meas bytes (alloc / reserved)" if stub else "fits meas/pred",
+                     justify="right" if stub else "left")
+    for r in checks:
         cells = [r.id + (" (edge)" if r.edge else ""), r.status]
         for m in METRICS:
             meas, pred = r.measured[m], r.predicted[m]
             if meas is None and pred is None:
                 cells.append("")
                 continue
+            if stub and m == "device_total":
+                cells.append("not measured" + ("" if pred is None else f" / {pred / div:,.2f}"))
+                continue
             text = " / ".join("-" if v is None else f"{v / div:,.2f}" for v in (meas, pred))
             cells.append(f"{text} {_signed(r.error_pct[m])}".strip())
-        fits = "" if r.fits_measured is None else f"{r.fits_measured}/{r.fits_predicted}"
-        table.add_row(*cells, fits)
-    console.print(table)
-    for r in report.rows:
-        if r.note:
-            console.print(f"{r.id}: {r.note}")
-    summary = Table(title="summary (under = under-estimate, the direction that causes OOM)", title_justify="left")
+        if stub:
+            d = r.diff_bytes
+            last = "" if d["allocated"] is None else f"{d['allocated']:+,} / " + (
+                "-" if d["reserved"] is None else f"{d['reserved']:+,}")
+        else:
+            last = "" if r.fits_measured is None else f"{r.fits_measured}/{r.fits_predicted}"
+        table.add_row(*cells, last)
+    return table
+
+
+def _summary_table(title: str, summary: dict) -> Table:
+    table = Table(title=title, title_justify="left")
     for col in ("metric", "rows", "mean |err|", "max |err|", "max under", "mean signed", "rows under"):
-        summary.add_column(col, justify="left" if col == "metric" else "right")
+        table.add_column(col, justify="left" if col == "metric" else "right")
 
     def pct(v: float | None) -> str:
         return "" if v is None else f"{v:.2f}%"
 
-    for m, st in report.summary.items():
-        summary.add_row(m.replace("_", " "), str(st.num_rows), pct(st.mean_abs_pct), pct(st.max_abs_pct),
-                        pct(st.max_under_pct), _signed(st.mean_signed_pct), str(st.num_under))
-    console.print(summary)
-    acc = "no edge rows" if report.fits_accuracy is None else (
-        f"{100 * report.fits_accuracy:.0f}% of {report.num_edge_rows} edge rows")
-    console.print(f"fits/OOM verdict: {acc}")
+    for m, st in summary.items():
+        table.add_row(m.replace("_", " "), str(st.num_rows), pct(st.mean_abs_pct), pct(st.max_abs_pct),
+                      pct(st.max_under_pct), _signed(st.mean_signed_pct), str(st.num_under))
+    return table
+
+
+def render_validation(report: ValidationReport, console: Console) -> None:
+    """Print each row's measured / predicted size and signed % error, then the summary.
+
+    Stub-device rows (``kind`` "stub") come in a table and summary of their
+    own, after the measurements: they are not GPU truth.
+    """
+    sizes = [v for r in report.rows for d in (r.measured, r.predicted) for v in d.values() if v]
+    unit, div = ("GiB", _GIB) if sizes and max(sizes) >= _GIB else ("MiB", 2**20)
+    measured = [r for r in report.rows if r.kind != "stub"]
+    stub = report.stub_rows
+    if measured or not stub:
+        console.print(_validation_table(
+            f"measured / predicted {unit}, error = (predicted - measured) / measured", measured, div, stub=False))
+        for r in measured:
+            if r.note:
+                console.print(f"{r.id}: {r.note}")
+        console.print(_summary_table("summary (under = under-estimate, the direction that causes OOM)",
+                                     report.summary))
+        acc = "no edge rows" if report.fits_accuracy is None else (
+            f"{100 * report.fits_accuracy:.0f}% of {report.num_edge_rows} edge rows")
+        console.print(f"fits/OOM verdict: {acc}")
+    if stub:
+        console.print(_validation_table(
+            f"stub device (stubcuda: torch's caching allocator, no GPU; not GPU measurements): "
+            f"stub / predicted {unit}", stub, div, stub=True))
+        for r in stub:
+            if r.note:
+                console.print(f"{r.id}: {r.note}")
+        console.print(_summary_table("stub summary (device total not measured on the stub)",
+                                     report.stub_summary))
+        console.print(f"stub rows equal to the estimate byte for byte (allocated and reserved): "
+                      f"{report.num_stub_exact} of {len(stub)}")
 
 
 def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, console: Console) -> None:

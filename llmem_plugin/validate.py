@@ -13,21 +13,40 @@ torch version and ``PYTORCH_CUDA_ALLOC_CONF``, and compares:
 Errors are signed, ``(predicted - measured) / measured`` in percent; a
 negative error is an under-estimate, the direction that causes OOM. Rows run
 at the edge of capacity (``edge``) also score the fits/OOM verdict.
+
+Rows are evidence of three kinds (``device_kind``; rows written before it
+existed are "gpu" on ``device`` "cuda", "cpu" on "cpu"):
+
+* **gpu**: a real GPU. The summary and the fits/OOM score are theirs (and
+  the CPU rows' tensor peaks).
+* **stub**: the stub CUDA device (``stubcuda``): torch's CUDA build and its
+  real caching allocator with no GPU, no kernels and no CUDA context. Its
+  allocated and reserved peaks are the allocator's own for the step, and the
+  estimate should equal them byte for byte; its device total is not
+  measured. Stub rows are summarised apart (``stub_summary``) and never
+  counted as GPU truth or scored for fits. They are predicted with SDPA's
+  cuDNN backend as the row records it (off on the stub, whose cuDNN computes
+  nothing), since torch's backend choice changes the attention's memory.
+* **cpu**: the tracker on real CPU tensors (allocated only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmem_plugin.errors import ConfigError, LLMemError
 
-__all__ = ["METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "load_rows", "validate_rows"]
+__all__ = ["DEVICE_KINDS", "METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "device_kind",
+           "load_rows", "validate_rows"]
 
 METRICS = ("allocated", "reserved", "device_total")
+# benchmarks/groundtruth/rows.py DEVICE_KINDS: the evidence a row is.
+DEVICE_KINDS = ("gpu", "stub", "cpu")
 _MEASURED_KEY = {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "device_total": "device_total_bytes"}
 
 
@@ -38,11 +57,13 @@ class RowCheck:
     Attributes:
         id: The row's id.
         runner: ``torch``, ``hf-trainer`` or ``tracker-cpu``.
+        kind: The evidence: ``gpu``, ``stub`` or ``cpu`` (see the module docstring).
         status: The run's outcome: ``ok``, ``oom``, ``error`` or ``skipped`` (a library it needs was missing).
         edge: Whether the row was run at the edge of capacity.
         measured: Bytes per metric (None where not measured).
         predicted: Bytes per metric (None where not predicted).
         error_pct: Signed % error per metric, on ``ok`` rows with both numbers.
+        diff_bytes: Predicted minus measured bytes per metric, where ``error_pct`` is set.
         fits_predicted: The estimate's verdict (None if not predicted).
         fits_measured: True for ``ok``, False for ``oom``, None otherwise.
         note: Why a row was skipped or not predicted ("" if it was).
@@ -50,11 +71,13 @@ class RowCheck:
 
     id: str
     runner: str
+    kind: str
     status: str
     edge: bool
     measured: dict[str, int | None]
     predicted: dict[str, int | None]
     error_pct: dict[str, float | None]
+    diff_bytes: dict[str, int | None]
     fits_predicted: bool | None
     fits_measured: bool | None
     note: str = ""
@@ -93,10 +116,16 @@ class ValidationReport:
 
     Attributes:
         rows: One :class:`RowCheck` per input row, in order.
-        summary: A :class:`MetricSummary` per metric of :data:`METRICS`.
-        fits_accuracy: Fraction of edge rows whose fits/OOM verdict was right
-            (None without edge rows).
+        summary: A :class:`MetricSummary` per metric of :data:`METRICS`, over
+            the GPU and CPU rows (measurements).
+        fits_accuracy: Fraction of GPU edge rows whose fits/OOM verdict was
+            right (None without edge rows).
         num_edge_rows: Edge rows scored.
+        skipped: Ids of the rows not compared (failed, skipped, not predicted).
+        stub_summary: A :class:`MetricSummary` per metric over the stub rows
+            alone (their device total is not measured: ``num_rows`` 0).
+        num_stub_exact: Stub rows whose allocated and reserved peaks both
+            equal the prediction byte for byte.
     """
 
     rows: list[RowCheck]
@@ -104,12 +133,21 @@ class ValidationReport:
     fits_accuracy: float | None
     num_edge_rows: int = 0
     skipped: list[str] = field(default_factory=list)
+    stub_summary: dict[str, MetricSummary] = field(default_factory=dict)
+    num_stub_exact: int = 0
+
+    @property
+    def stub_rows(self) -> list[RowCheck]:
+        return [r for r in self.rows if r.kind == "stub"]
 
     def to_dict(self) -> dict[str, Any]:
         summary: dict[str, Any] = {m: s.to_dict() for m, s in self.summary.items()}
         summary["fits_accuracy"] = self.fits_accuracy
         summary["num_edge_rows"] = self.num_edge_rows
-        return {"rows": [r.to_dict() for r in self.rows], "summary": summary}
+        stub: dict[str, Any] = {m: s.to_dict() for m, s in self.stub_summary.items()}
+        stub["num_rows"] = len(self.stub_rows)
+        stub["num_exact"] = self.num_stub_exact
+        return {"rows": [r.to_dict() for r in self.rows], "summary": summary, "stub_summary": stub}
 
 
 def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -198,7 +236,43 @@ def _estimate_row(row: dict[str, Any], config: Any, wl: Any, **kw: Any) -> dict[
             "device_total": r.device_total_bytes, "fits": all(x.fits for x in est.ranks)}
 
 
+def device_kind(row: dict[str, Any]) -> str:
+    """The evidence ``row`` is: ``gpu``, ``stub`` or ``cpu`` (see the module docstring).
+
+    Raises:
+        ConfigError: ``device_kind`` is not one of :data:`DEVICE_KINDS`.
+    """
+    kind = row.get("device_kind") or {"cpu": "cpu", "stub": "stub"}.get(row.get("device"), "gpu")
+    if kind not in DEVICE_KINDS:
+        raise ConfigError(f"row '{row.get('id')}': device_kind {kind!r}; valid: {', '.join(DEVICE_KINDS)}. "
+                          "HINT: rows follow the schema in benchmarks/groundtruth/README.md")
+    return kind
+
+
+@contextlib.contextmanager
+def _sdpa_backends(row: dict[str, Any]) -> Iterator[None]:
+    """SDPA's cuDNN backend as the stub row ran it (off unless the row says otherwise)."""
+    import torch
+
+    if device_kind(row) != "stub":
+        yield
+        return
+    enabled = bool((row.get("stub") or {}).get("cudnn_sdp_enabled") or False)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
+    with _sdpa_backends(row):
+        return _predict_as_run(row, fast=fast, gpu_name=gpu_name)
+
+
+def _predict_as_run(row: dict[str, Any], *, fast: bool,
+                    gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
     from llmem_plugin.gpus import get_gpu, match_device_name
 
     config = _model_config(row)
@@ -245,24 +319,33 @@ def _pct(pred: int | None, meas: int | None) -> float | None:
 
 
 def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None = None) -> RowCheck:
-    """Predict one row and compare (see :func:`validate_rows`)."""
+    """Predict one row and compare (see :func:`validate_rows`).
+
+    Raises:
+        ConfigError: The row's ``device_kind`` is unknown.
+    """
     status = row["status"]
+    kind = device_kind(row)
     measured = _measured(row)
+    if kind == "stub":
+        measured["device_total"] = None  # the stub has no CUDA context: its used memory is not a GPU's
     fits_measured = {"ok": True, "oom": False}.get(status)
-    base = {"id": row["id"], "runner": row.get("runner", ""), "status": status, "edge": bool(row.get("edge")),
-            "measured": measured, "fits_measured": fits_measured}
+    base = {"id": row["id"], "runner": row.get("runner", ""), "kind": kind, "status": status,
+            "edge": bool(row.get("edge")), "measured": measured, "fits_measured": fits_measured}
+    none = dict.fromkeys(METRICS)
     if status in ("error", "skipped"):  # nothing was measured (skipped: a library the case needs was missing)
         what = "run failed" if status == "error" else "run skipped"
-        return RowCheck(**base, predicted=dict.fromkeys(METRICS), error_pct=dict.fromkeys(METRICS),
-                        fits_predicted=None, note=f"{what}: {row.get('error') or row.get('reason') or 'unknown'}")
+        return RowCheck(**base, predicted=none, error_pct=none, diff_bytes=none, fits_predicted=None,
+                        note=f"{what}: {row.get('error') or row.get('reason') or 'unknown'}")
     try:
         predicted, fits = _predict(row, fast=fast, gpu_name=gpu_name)
     except LLMemError as e:
-        return RowCheck(**base, predicted=dict.fromkeys(METRICS), error_pct=dict.fromkeys(METRICS),
-                        fits_predicted=None, note=f"not predicted: {e}")
+        return RowCheck(**base, predicted=none, error_pct=none, diff_bytes=none, fits_predicted=None,
+                        note=f"not predicted: {e}")
     # An OOM row's peaks stop where the run died: they score only the verdict.
     errors = {m: _pct(predicted[m], measured[m]) if status == "ok" else None for m in METRICS}
-    return RowCheck(**base, predicted=predicted, error_pct=errors, fits_predicted=fits)
+    diffs = {m: predicted[m] - measured[m] if errors[m] is not None else None for m in METRICS}
+    return RowCheck(**base, predicted=predicted, error_pct=errors, diff_bytes=diffs, fits_predicted=fits)
 
 
 def _summary(values: list[float]) -> MetricSummary:
@@ -293,8 +376,13 @@ def validate_rows(rows: Iterable[dict[str, Any]], *, fast: bool = False, gpu: st
         The :class:`ValidationReport`.
     """
     checks = [check_row(r, fast=fast, gpu_name=gpu) for r in rows]
-    summary = {m: _summary([c.error_pct[m] for c in checks if c.error_pct[m] is not None]) for m in METRICS}
-    scored = [c for c in checks if c.edge and c.fits_measured is not None and c.fits_predicted is not None]
+    measured = [c for c in checks if c.kind != "stub"]
+    stub = [c for c in checks if c.kind == "stub"]
+    summary = {m: _summary([c.error_pct[m] for c in measured if c.error_pct[m] is not None]) for m in METRICS}
+    stub_summary = {m: _summary([c.error_pct[m] for c in stub if c.error_pct[m] is not None]) for m in METRICS}
+    scored = [c for c in measured if c.edge and c.fits_measured is not None and c.fits_predicted is not None]
     accuracy = sum(c.fits_measured == c.fits_predicted for c in scored) / len(scored) if scored else None
+    exact = sum(c.diff_bytes["allocated"] == 0 and c.diff_bytes["reserved"] == 0 for c in stub)
     return ValidationReport(rows=checks, summary=summary, fits_accuracy=accuracy, num_edge_rows=len(scored),
-                            skipped=[c.id for c in checks if c.note])
+                            skipped=[c.id for c in checks if c.note], stub_summary=stub_summary,
+                            num_stub_exact=exact)
