@@ -8,9 +8,16 @@ gradients into them in backward and back out after the all-reduce, or, with
 fake process group three things cannot run and are replaced by what they do to
 memory:
 
-* ``_verify_param_shape_across_processes`` and ``_sync_module_states`` read
-  parameter data (fake tensors have none); they allocate nothing on the device
-  that outlives them, so they are skipped.
+* ``_verify_param_shape_across_processes`` reads the gathered parameter
+  counts and shapes back (fake tensors have no data); it is skipped, and its
+  few small metadata tensors (freed at once) with it.
+* ``_sync_module_states`` broadcasts the parameters and buffers from rank 0:
+  the broadcast moves no data here, but what it allocates is allocated
+  (:func:`broadcast_allocations`): one flat copy per 250 MiB bucket of
+  several tensors, two in flight. Those copies are freed before the first
+  step, but the blocks they leave in the allocator's cache change where the
+  step's tensors land (measured on the stub CUDA device:
+  benchmarks/results/stub-distributed-2026-11-25.md).
 * The fake group's all-reduce future carries no tensor; a comm hook returns the
   bucket itself, as the default hook does after its in-place all-reduce
   (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py,
@@ -41,11 +48,14 @@ from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import Workload
 
-__all__ = ["PRESETS", "NoRebuild", "bucket_passthrough", "estimate", "no_data_reads"]
+__all__ = ["PRESETS", "NoRebuild", "broadcast_allocations", "bucket_passthrough", "estimate", "no_data_reads"]
 
 # torch/nn/parallel/distributed.py: DistributedDataParallel(bucket_cap_mb=None)
 # means 25 MiB; gradient_as_bucket_view defaults to False.
 PRESETS: dict[str, dict[str, Any]] = {"ddp": {"bucket_cap_mb": 25, "gradient_as_bucket_view": False}}
+# torch/csrc/distributed/c10d/comm.cpp, broadcast_coalesced: "We maintain a
+# maximum of 2 in flight broadcast operations".
+_BROADCASTS_IN_FLIGHT = 2
 
 
 class NoRebuild:
@@ -74,13 +84,46 @@ bucket_passthrough.__annotations__ = {
 }
 
 
+def broadcast_allocations(module: nn.Module, process_group: Any, broadcast_bucket_size: int, src: int,
+                          params_and_buffers_to_ignore: Any, broadcast_buffers: bool = True) -> None:
+    """What DDP's ``_sync_module_states`` allocates on this rank, without the broadcast.
+
+    torch/distributed/utils.py ``_sync_module_states`` lists the parameters
+    (``named_parameters``: tied ones once), then the buffers, and calls
+    ``dist._broadcast_coalesced``; torch/csrc/distributed/c10d/comm.cpp
+    ``broadcast_coalesced`` groups them with ``compute_bucket_assignment_by_size``
+    (one limit, DDP's ``broadcast_bucket_size`` of 250 MiB) and, per bucket,
+    flattens it (torch/csrc/utils/tensor_flatten.h ``flatten_dense_tensors``:
+    a view for a single contiguous tensor, else ``cat``), keeping at most two
+    buckets in flight: before the third, the oldest finishes (its flat copy
+    is copied back in place and freed).
+    """
+    import torch.distributed as dist
+
+    states = [p.detach() for n, p in module.named_parameters() if n not in params_and_buffers_to_ignore]
+    if broadcast_buffers:
+        states += [b.detach() for n, b in module.named_buffers() if n not in params_and_buffers_to_ignore]
+    if not states:
+        return
+    buckets, _ = dist._compute_bucket_assignment_by_size(states, [broadcast_bucket_size])
+    in_flight: list[torch.Tensor] = []
+    with torch.no_grad():
+        for bucket in buckets:
+            if len(in_flight) >= _BROADCASTS_IN_FLIGHT:
+                del in_flight[0]
+            in_flight.append(torch._utils._flatten_dense_tensors([states[i] for i in bucket]))
+        while in_flight:  # oldest first (list.clear() would free the newest first)
+            del in_flight[0]
+
+
 @contextlib.contextmanager
 def no_data_reads() -> Iterator[None]:
+    """DDP's construction without the reads of broadcast data (see the module docstring)."""
     from torch.nn.parallel import distributed as ddp_mod
 
     saved = ddp_mod._verify_param_shape_across_processes, ddp_mod._sync_module_states
     ddp_mod._verify_param_shape_across_processes = lambda *a, **k: None
-    ddp_mod._sync_module_states = lambda *a, **k: None
+    ddp_mod._sync_module_states = broadcast_allocations
     try:
         yield
     finally:
