@@ -1,0 +1,62 @@
+"""Whole training steps on the stub CUDA device against the estimate, byte for byte.
+
+``python -m benchmarks.groundtruth.run --device stub`` runs each case's CUDA
+worker (the real model, loop and optimizer) on torch's CUDA build with the
+stub libraries: torch's own caching allocator, CUDA dispatch, autocast,
+SDPA backend choice (cuDNN off) and cuBLAS / cuBLASLt workspaces. Its
+``max_memory_allocated`` / ``max_memory_reserved`` must equal the
+estimator's allocated and reserved peaks exactly. The cases are small so
+the test takes well under two minutes on two cores; the full-size rows are
+in benchmarks/groundtruth/data/stub-h100-2026-11-25.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.groundtruth import run
+from llmem_plugin.validate import validate_rows
+
+# tiny = catalog config with 2 layers, hidden 64 (benchmarks/groundtruth/matrix.py CPU_CASES),
+# run under the "torch" runner on the stub.
+CASES = (
+    "tiny-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",  # autocast, SDPA (efficient attention), foreach AdamW
+    "tiny-llama-3.2-1b-bf16-s64-b2-gc-sdpa-adamw-fused",  # pure bf16, checkpointing, fused AdamW
+    "tiny-gpt2-bf16-mixed-s64-b2-lora-eager",  # GPT-2 Conv1D (cuBLASLt addmm), LoRA, eager attention
+    "tiny-opt-125m-fp32-s32-b2-ga2-sdpa",  # fp32, gradient accumulation 2
+    "gpt2-fp32-s1024-b8-sdpa",  # full GPT-2 124M: segments of the large pool
+)
+
+
+@pytest.fixture(scope="module")
+def rows(stub, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stub") / "rows.jsonl"
+    assert run.main(["--device", "stub", "--out", str(out), "--steps", "2", "--only", *CASES]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_rows_are_stub_evidence(rows):
+    assert [r["id"] for r in rows] == list(CASES)
+    for r in rows:
+        assert r["status"] == "ok", r["error"]
+        assert r["device"] == "stub" and r["device_kind"] == "stub"
+        assert r["measured"]["device_total_bytes"] is None
+        assert all(s["device_used_bytes"] is None for s in r["steps"])
+        assert r["stub"]["cudnn_sdp_enabled"] is False
+        assert r["gpu"]["name"] == "NVIDIA H100 80GB HBM3"
+    # Llama-style models read the position ids once per forward (transformers' packed-sequence check).
+    llama = rows[0]["stub"]
+    assert llama["neutralised"] == {"transformers.masking_utils.find_packed_sequence_indices": 2}
+    assert {d["site"].split(":")[0] for d in llama["device_reads"]} == {"transformers/masking_utils.py"}
+
+
+def test_estimate_equals_the_stub_allocator(rows):
+    report = validate_rows(rows)
+    for c in report.rows:
+        assert c.kind == "stub" and c.note == ""
+        assert c.predicted["allocated"] == c.measured["allocated"], (c.id, c.diff_bytes)
+        assert c.predicted["reserved"] == c.measured["reserved"], (c.id, c.diff_bytes)
+    assert report.num_stub_exact == len(CASES)
+    assert report.summary["allocated"].num_rows == 0  # none of it counts as GPU truth
