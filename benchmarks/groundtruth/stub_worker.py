@@ -97,9 +97,18 @@ class _Rank:
         self.backward = backward
         self.zero_grad = zero_grad
         self.optimizer = optimizer
+        self.noop_mode = False
 
 
 # ------------------------------------------------------------------ methods
+def _single(spec, config, wl) -> _Rank:
+    from llmem_plugin import modelbuild
+
+    model = modelbuild.build_model(config, wl, device="cuda")
+    _reset()
+    return _Rank(model)
+
+
 def _ddp(spec, config, wl) -> _Rank:
     import torch
 
@@ -156,7 +165,49 @@ def _tp(spec, config, wl) -> _Rank:
     return _Rank(model)
 
 
-_METHODS = {"ddp": _ddp, "fsdp": _fsdp, "tp": _tp}
+def _colossal(spec, config, wl) -> _Rank:
+    """A ColossalAI plugin's boosted model and optimizer (the plugin's own
+    ``backward``, ``step`` and ``zero_grad``)."""
+    import dataclasses
+
+    import torch
+    from colossalai.booster import Booster
+    from colossalai.booster import plugin as plugins
+
+    from llmem_plugin import modelbuild
+    from llmem_plugin.step import make_optimizer
+    from llmem_plugin.workload import Precision
+
+    opts = dict(spec.get("options") or {})
+    name = spec["method"]
+    precision = {Precision.BF16_MIXED: "bf16", Precision.BF16: "bf16", Precision.FP16_MIXED: "fp16",
+                 Precision.FP32: "fp32"}[wl.precision]
+    # The plugin casts the model to its precision: build it there (as the estimate does).
+    build_precision = Precision.FP32 if precision == "fp32" else Precision.BF16
+    if name == "lowlevel":
+        plugin = plugins.LowLevelZeroPlugin(precision=precision, **opts)
+    elif name == "gemini":
+        plugin = plugins.GeminiPlugin(precision=precision, **opts)
+    else:  # hybrid
+        plugin = plugins.HybridParallelPlugin(precision=precision, tp_size=spec["tp"], pp_size=1, **opts)
+    booster = Booster(plugin=plugin)
+    model = modelbuild.build_model(config, dataclasses.replace(wl, precision=build_precision), device="cuda")
+    if name == "gemini":
+        from colossalai.nn.optimizer import HybridAdam
+
+        optimizer = HybridAdam(model.parameters(), lr=5e-5)
+    else:
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    _reset()
+    del torch
+    return _Rank(model, autocast=False, optimizer=optimizer,
+                 backward=lambda loss: booster.backward(loss, optimizer),
+                 zero_grad=lambda opt: opt.zero_grad())
+
+
+_METHODS = {"single": _single, "ddp": _ddp, "fsdp": _fsdp, "tp": _tp, "lowlevel": _colossal, "gemini": _colossal,
+            "hybrid": _colossal}
 
 
 # ---------------------------------------------------------------- the step
@@ -177,10 +228,11 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
             ctx = torch.autocast("cuda", dtype=dtype) if dtype is not None else _null()
             with ctx:
                 loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / wl.grad_accum_steps
-            if rank.backward is not None:
-                rank.backward(loss)
-            else:
-                loss.backward()
+            with _mode_if(rank.noop_mode):
+                if rank.backward is not None:
+                    rank.backward(loss)
+                else:
+                    loss.backward()
             del loss, input_ids, labels
         if rank.step is not None:
             rank.step(optimizer)
@@ -194,6 +246,21 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
         out.append({"step": step, "allocated_bytes": torch.cuda.max_memory_allocated(),
                     "reserved_bytes": torch.cuda.max_memory_reserved()})
     return out
+
+
+def _mode_if(on: bool):
+    """A do-nothing TorchDispatchMode (diagnostics: the estimator traces under
+    modes, and autograd sums a tensor's incoming gradients out of place
+    whenever one is active)."""
+    if not on:
+        return _null()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Noop(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return _Noop()
 
 
 def _null():
@@ -218,15 +285,101 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         config = _config(spec)
         wl = _workload(spec)
         rank = _METHODS[spec["method"]](spec, config, wl)
+        rank.noop_mode = bool(spec.get("noop_mode"))
+        if spec.get("history"):
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         steps = _loop(rank, wl, vocab=int(config.vocab_size), steps=spec.get("steps", 2))
+        history = _history() if spec.get("history") else None
     finally:
         dist.destroy_process_group()
-    return {"steps": steps, "seconds": round(time.perf_counter() - t0, 2)}
+    out = {"steps": steps, "segments": _segments(), "seconds": round(time.perf_counter() - t0, 2)}
+    if history is not None:
+        out["history"] = history
+    return out
+
+
+def _history() -> list[list[Any]]:
+    """The step's allocator events, ``[+1 | -1, block bytes, stream]`` in order
+    (to line up with the estimator's event stream)."""
+    import torch
+
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    sign = {"alloc": 1, "free_requested": -1}
+    return [[sign[e["action"]], int(e["size"]), int(e["stream"])] for e in snap["device_traces"][0]
+            if e["action"] in sign]
+
+
+def _segments() -> list[dict[str, Any]]:
+    """Reserved segments at the end, per (stream, pool): which streams' pools
+    hold the reserved bytes (the caching allocator keeps one per stream)."""
+    import torch
+
+    out: dict[tuple[int, str], dict[str, Any]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = (int(seg["stream"]), seg["segment_type"])
+        row = out.setdefault(key, {"stream": key[0], "pool": key[1], "segments": 0, "bytes": 0})
+        row["segments"] += 1
+        row["bytes"] += int(seg["total_size"])
+    return sorted(out.values(), key=lambda r: (r["stream"], r["pool"]))
+
+
+def _where(e: BaseException) -> str:
+    """Where ``e`` came from: the innermost frame outside this module, and the
+    innermost ColossalAI frame when that is another (the plugin line that led
+    there), and a compiler's "fatal error" line when a kernel build failed."""
+    import re
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.endswith("stub_worker.py")]
+    frames = frames or traceback.extract_tb(e.__traceback__)
+
+    def show(f) -> str:
+        return f"{f.filename.split('site-packages/')[-1]}:{f.lineno} ({f.name}): {(f.line or '').strip()}"
+
+    parts = [show(frames[-1])]
+    plugin = [f for f in frames if "site-packages/colossalai/" in f.filename]
+    if plugin and plugin[-1] is not frames[-1]:
+        parts.append("from " + show(plugin[-1]))
+    fatal = re.search(r"fatal error: .*?(?:No such file or directory|$)", str(e), re.MULTILINE)
+    if fatal:
+        parts.append(fatal.group(0))
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.groundtruth.rows import error_text
+
     spec = json.loads((argv or sys.argv[1:])[0])
-    print(json.dumps(run_rank(spec)))
+    try:
+        out = run_rank(spec)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        out = {"error": error_text(e), "where": _where(e)}
+    out["adjustments"] = _ADJUSTMENTS_BY_METHOD.get(spec["method"], []) + ["packed_sequence", "cudnn_sdpa"]
+    out["env"], out["gpu"] = _environment()
+    print(json.dumps(out))
+
+
+# Which STUB_ADJUSTMENTS each method's run makes (besides the model-wide ones).
+_ADJUSTMENTS_BY_METHOD = {"ddp": ["ddp_verify", "ddp_comm_hook", "ddp_rebuild"]}
+
+
+def _environment() -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
+    from llmem_plugin.verify import environment
+
+    props = torch.cuda.get_device_properties(0)
+    gpu = {"name": torch.cuda.get_device_name(0), "memory_bytes": int(props.total_memory),
+           "compute_capability": [props.major, props.minor], "idle_used_bytes": None}
+    env = environment(driver="stubcuda", nvml_source=None)
+    try:
+        import importlib.metadata as md
+
+        env["colossalai"] = md.version("colossalai")
+    except Exception:  # noqa: BLE001 - not installed
+        env["colossalai"] = None
+    return env, gpu
 
 
 if __name__ == "__main__":
