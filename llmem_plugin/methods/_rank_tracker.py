@@ -63,6 +63,12 @@ class RankTracker(MemoryTracker):
         self._fake_mode = fake_mode
         self.record_collectives = False
         self.collectives: list[Collective] = []
+        # Record index -> stream number (1, 2, ...) of allocations made off the
+        # default stream: wrappers switch torch.cpu's current stream where a
+        # CUDA run switches CUDA streams (see methods/_streams.py).
+        self.stream_of: dict[int, int] = {}
+        self._default_stream = torch.cpu.current_stream()
+        self._streams: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, number); holds the stream
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
@@ -90,6 +96,17 @@ class RankTracker(MemoryTracker):
             for t in _inner_tensors(out):
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
         return out
+
+    def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:
+        before = self.num_records
+        super()._see(storage, category)
+        if self.num_records > before:
+            stream = torch.cpu.current_stream()
+            if stream is not self._default_stream:
+                known = self._streams.get(id(stream))
+                if known is None:
+                    known = self._streams[id(stream)] = (stream, len(self._streams) + 1)
+                self.stream_of[before] = known[1]
 
     def register(self, tensors, category: MemoryCategory) -> None:
         super().register([local(t) for t in tensors], category)

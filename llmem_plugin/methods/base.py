@@ -3,6 +3,7 @@ rank to its three numbers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,7 @@ def rank_memory(
     alloc_conf: AllocatorConfig | None = None,
     extra_breakdown: dict[str, int] | None = None,
     host_bytes: int = 0,
+    streams: Mapping[int, int] | None = None,
 ) -> RankMemory:
     """The three numbers of one traced rank: its event stream replayed through
     the caching-allocator simulation (with the cuBLAS workspaces), plus the
@@ -153,10 +155,19 @@ def rank_memory(
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` settings (defaults if None).
         extra_breakdown: Method-specific bytes at the peak to report.
         host_bytes: CPU RAM for offloaded states.
+        streams: Trace record index -> side-stream number of allocations a
+            wrapper made off the default stream (``RankTracker.stream_of``):
+            each stream is replayed with its own pools
+            (:mod:`llmem_plugin.methods._streams`).
     """
     from llmem_plugin.estimate import simulate_trace
 
-    sim, fits = simulate_trace(trace, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
+    if streams:
+        from llmem_plugin.methods._streams import simulate_streams
+
+        sim, fits = simulate_streams(trace, streams, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
+    else:
+        sim, fits = simulate_trace(trace, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
     breakdown = {c.value: v for c, v in trace.breakdown.items()}
     breakdown.update(extra_breakdown or {})
     return RankMemory(

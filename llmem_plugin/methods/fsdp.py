@@ -149,7 +149,7 @@ def estimate(
     for r in ranks:
         traced = _trace_rank(model, wl, layout=layout, rank=r, gpu=target, **settings)
         rows.append(rank_memory(traced.trace, rank=r, gpu=target, overheads=overheads, alloc_conf=config,
-                                host_bytes=traced.host_bytes))
+                                host_bytes=traced.host_bytes, streams=traced.streams))
         if traced.padding_bytes:
             notes.append(f"rank {r}: {traced.padding_bytes} B of dim-0 shard padding in parameters and gradients "
                          f"(FSDP2 pads every shard to ceil(dim0 / {shard_size}) rows)")
@@ -351,12 +351,18 @@ def _trace_fsdp_step(
     compute_capability: tuple[int, int],
     num_sms: int | None = None,
     cpu_offload: bool = False,
+    streams: dict[int, int] | None = None,
 ) -> tuple[TraceResult, int]:
     """Trace ``NUM_ITERATIONS`` steps of an FSDP2-wrapped model:
     :func:`llmem_plugin.step.trace_step` with a :class:`RankTracker` (the
     plain tracker would count DTensors at their global size and miss FSDP2's
     in-place storage resizes) and FSDP2's instrumentation. Mixed precision is
     FSDP2's policy, so there is no autocast region.
+
+    Args:
+        streams: Filled with the side stream of each allocation FSDP2 made
+            off the default stream (its all-gather copy-in and reduce-scatter
+            streams), by trace record index.
 
     Returns:
         The trace and the host bytes of offloaded states (0 without offload).
@@ -384,6 +390,8 @@ def _trace_fsdp_step(
         num_sms=num_sms, tracker=tracker, autocast=False, offload=cpu_offload, hooks=Hooks(),
         contexts=[isolated_sharding_propagation(), fsdp_instrumented(tracker, cpu_offload=cpu_offload)],
     )
+    if streams is not None:
+        streams.update(tracker.stream_of)
     return trace, host[0]
 
 
@@ -414,13 +422,14 @@ class _Group:
 
 @dataclass(frozen=True, kw_only=True)
 class _RankTrace:
-    """One traced rank: its trace, host bytes (offload), dim-0 padding bytes
-    and FSDP parameter groups."""
+    """One traced rank: its trace, host bytes (offload), dim-0 padding bytes,
+    FSDP parameter groups and side streams (record index -> stream)."""
 
     trace: TraceResult
     host_bytes: int
     padding_bytes: int
     groups: list[_Group]
+    streams: dict[int, int]
 
 
 def _fsdp_groups(model: nn.Module) -> tuple[list[_Group], int]:
@@ -470,12 +479,14 @@ def _trace_rank(
         fake_mode = FakeTensorMode()
         _materialize(model, fake_mode)
         with tracing(f"the FSDP2 training step of {type(model).__name__}"):
+            streams: dict[int, int] = {}
             trace, host_bytes = _trace_fsdp_step(
                 model, workload, vocab_size=vocab, fake_mode=fake_mode,
                 compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, cpu_offload=cpu_offload,
+                streams=streams,
             )
         groups, padding = _fsdp_groups(model)
-    return _RankTrace(trace=trace, host_bytes=host_bytes, padding_bytes=padding, groups=groups)
+    return _RankTrace(trace=trace, host_bytes=host_bytes, padding_bytes=padding, groups=groups, streams=streams)
 
 
 def _comm_bytes(
