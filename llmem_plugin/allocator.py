@@ -10,7 +10,10 @@ stream through a block-level model of that code and returns the peaks that
 
 Every rule below names the function of CUDACachingAllocator.cpp it follows.
 They were read in torch 2.6 and in the newest source (the 2.13 line); the rules
-modelled here are the same in both unless a comment says otherwise.
+modelled here are the same in both unless a comment says otherwise. Against
+torch 2.13's own allocator (run on the stub CUDA device) the replay agrees on
+the allocated and reserved bytes after every event, the peaks and the OOM
+event: ``benchmarks/stub_allocator.py``, results in ``benchmarks/results``.
 
 Known limitations:
     * One device, one stream. Cross-stream frees (``record_stream``) and CUDA
@@ -37,9 +40,11 @@ from llmem_plugin.errors import ConfigError
 
 __all__ = ["AllocatorConfig", "AllocatorResult", "CachingAllocator", "SimulatedOOM", "replay"]
 
-# Address space reserved per expandable segment. The real allocator reserves
-# 1 1/8 of the device memory (ExpandableSegment, "address_space_size"); any
-# size larger than the device works the same here.
+# Address space of an expandable segment when the device memory is unknown.
+# With it known, the segment spans 1 1/8 of the device memory in whole pages
+# (ExpandableSegment's constructor: numSegments(totalGlobalMem +
+# totalGlobalMem / 8) pages), and find_expandable_block opens a second
+# segment once the first has no room left.
 _EXPANDABLE_ADDRESS_SPACE = 1 << 44
 # Gap between simulated segments so blocks of different segments never touch.
 _SEGMENT_GAP = 1 << 30
@@ -193,10 +198,13 @@ class CachingAllocator:
         capacity_bytes: Bytes cudaMalloc can hand out (device memory minus the
             CUDA context and other non-PyTorch allocations); None = unlimited.
         memory_fraction: ``torch.cuda.set_per_process_memory_fraction`` value;
-            the cap is ``memory_fraction * device_memory_bytes``. It also
-            enables ``garbage_collection_threshold``, which the allocator only
-            applies under a fraction (DeviceCachingAllocator::malloc).
-        device_memory_bytes: Total device memory, needed with ``memory_fraction``.
+            below 1.0 the cap is ``memory_fraction * device_memory_bytes``,
+            and ``garbage_collection_threshold`` applies (only then does the
+            allocator collect, DeviceCachingAllocator::malloc). 1.0 is no
+            limit, as in setMemoryFraction().
+        device_memory_bytes: Total device memory (``totalGlobalMem``), needed
+            with ``memory_fraction``; it also sizes expandable segments'
+            address space (1 1/8 of it; about 16 TiB when None).
     """
 
     def __init__(
@@ -214,6 +222,7 @@ class CachingAllocator:
                 "HINT: drop backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF"
             )
         self.capacity_bytes = capacity_bytes
+        self.device_memory_bytes = device_memory_bytes
         self.allowed_max: int | None = None
         if memory_fraction is not None:
             if not 0.0 < memory_fraction <= 1.0 or device_memory_bytes is None:
@@ -221,7 +230,10 @@ class CachingAllocator:
                     f"memory_fraction must be in (0, 1] and needs device_memory_bytes, got {memory_fraction!r}. "
                     "HINT: pass the GPU's total memory with it"
                 )
-            self.allowed_max = int(memory_fraction * device_memory_bytes)
+            # setMemoryFraction(): allowed_memory_maximum is set only below
+            # 1.0; a fraction of 1.0 means no limit (and no garbage collection).
+            if memory_fraction < 1.0:
+                self.allowed_max = int(memory_fraction * device_memory_bytes)
         self.small = _Pool(small=True)
         self.large = _Pool(small=False)
         self.stats = _Stats()
@@ -266,10 +278,12 @@ class CachingAllocator:
         size = self.round_size(nbytes)
         pool = self.small if size <= SMALL_SIZE else self.large
         alloc_size = self.allocation_size(size)
-        if self.allowed_max is not None and self.config.garbage_collection_threshold > 0.0:
-            self._garbage_collect()
         block = self._get_free_block(pool, size)
         if block is None:
+            # DeviceCachingAllocator::malloc collects garbage only when no
+            # cached block fits (inside ``if (!block_found)``), before cudaMalloc.
+            if self.allowed_max is not None and self.config.garbage_collection_threshold > 0.0:
+                self._garbage_collect()
             block = (
                 self._alloc_block(pool, size, alloc_size)
                 or (self._release_available_cached_blocks(pool, size) and self._alloc_block(pool, size, alloc_size))
@@ -361,15 +375,22 @@ class CachingAllocator:
         return block
 
     def _fits_device(self, nbytes: int) -> bool:
-        total = self.stats.reserved + nbytes
-        if self.allowed_max is not None and total > self.allowed_max:
-            return False
-        return self.capacity_bytes is None or total <= self.capacity_bytes
+        """Whether cudaMalloc / cuMemCreate can hand out ``nbytes`` more."""
+        return self.capacity_bytes is None or self.stats.reserved + nbytes <= self.capacity_bytes
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, *, retry: bool = False) -> _Block | None:
-        """alloc_block(): a new segment from cudaMalloc, or (expandable) more pages mapped."""
+        """alloc_block(): a new segment from cudaMalloc, or (expandable) more pages mapped.
+
+        The memory-fraction cap (``allowed_memory_maximum``) is checked first,
+        against the allocation size, on both paths: an expandable request is
+        refused when reserved + get_allocation_size() passes the cap, even
+        where mapping fewer pages would have stayed under it. The capacity is
+        the driver's: cudaMalloc, or cuMemCreate per page in map_block().
+        """
         if retry:
             self.stats.num_alloc_retries += 1
+        if self.allowed_max is not None and self.stats.reserved + alloc_size > self.allowed_max:
+            return None
         if self.config.expandable_segments:
             return self._try_allocate_expandable_block(pool, size)
         if not self._fits_device(alloc_size):
@@ -513,10 +534,15 @@ class CachingAllocator:
                 return c
         # ExpandableSegment segment_size: kSmallBuffer, or kLargeBuffer / large_segment_size().
         page = SMALL_BUFFER if pool.small else self.config.large_segment_bytes
+        if self.device_memory_bytes is None:
+            space = _EXPANDABLE_ADDRESS_SPACE
+        else:
+            total = self.device_memory_bytes
+            space = -(-(total + total // 8) // page) * page
         seg = _Segment(base=self._next_base, expandable=True, page_bytes=page)
-        self._next_base += _EXPANDABLE_ADDRESS_SPACE + _SEGMENT_GAP
+        self._next_base += space + _SEGMENT_GAP
         self.stats.segments.add(seg.base)
-        blk = _Block(seg.base, _EXPANDABLE_ADDRESS_SPACE, pool.small, seg)
+        blk = _Block(seg.base, space, pool.small, seg)
         blk.mapped = False
         pool.insert_unmapped(blk)
         return blk

@@ -228,9 +228,13 @@ def _parse_option(key: str, value: str) -> dict:
 def _parse_divisions(value: str) -> tuple[int, ...]:
     """parseRoundUpPower2Divisions: one power of two for all sizes, or
     ``[size_mb:div, ..., >:div]``. In the list form the first entry also fills
-    every interval below it, and ``>`` fills from the last named interval on
-    (that interval included, as the source's std::fill from last_index does);
-    0 turns rounding off for an interval."""
+    every interval below it, and ``>`` fills every interval above the last
+    named one (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig::
+    parseRoundUpPower2Divisions: std::fill from last_index + 1; checked
+    against torch 2.13's allocator by benchmarks/stub_allocator.py). Older
+    releases' CUDAAllocatorConfig.cpp (read in 2.6) filled from last_index,
+    overwriting the last named interval too; that is not modelled. 0 turns
+    rounding off for an interval."""
     divs = [0] * _ROUNDUP_INTERVALS
 
     def div_of(text: str, *, zero_ok: bool) -> int:
@@ -246,7 +250,7 @@ def _parse_divisions(value: str) -> tuple[int, ...]:
         size_text, _, d_text = item.partition(":")
         d = div_of(d_text, zero_ok=True)
         if size_text.strip() == ">":
-            divs[last:] = [d] * (_ROUNDUP_INTERVALS - last)
+            divs[last + 1:] = [d] * (_ROUNDUP_INTERVALS - last - 1)
             continue
         mb = _int("roundup_power2_divisions", size_text)
         if not _is_pow2(mb):

@@ -171,10 +171,13 @@ def test_roundup_power2_divisions():
 
 def test_roundup_list_form_follows_the_source():
     cfg = AllocatorConfig.from_env("roundup_power2_divisions:[256:1,512:2,>:4]")
-    # First entry fills all intervals below it; '>' fills from the last named one on.
+    # First entry fills all intervals below it; '>' fills those above the last
+    # named one (AcceleratorAllocatorConfig::parseRoundUpPower2Divisions, torch
+    # 2.13: std::fill from last_index + 1), so [512 MiB, 1 GiB) keeps its 2.
     assert cfg.divisions_for(3 * MiB) == 1
     assert cfg.divisions_for(300 * MiB) == 1
-    assert cfg.divisions_for(600 * MiB) == 4
+    assert cfg.divisions_for(600 * MiB) == 2
+    assert cfg.divisions_for(1500 * MiB) == 4
     assert cfg.divisions_for(40 * GiB) == 4
 
 
@@ -225,16 +228,30 @@ def test_expandable_segments_can_still_fragment():
         a.malloc(30 * MiB)  # 70 live + 30 = 100, yet no whole free page can be unmapped
 
 
-def test_garbage_collection_needs_a_memory_fraction():
+def test_garbage_collection_needs_a_memory_fraction_below_one():
+    # setMemoryFraction() sets allowed_memory_maximum only below 1.0, and GC
+    # runs only with it set: a fraction of 1.0 is no limit and no GC.
     cfg = AllocatorConfig.from_env("garbage_collection_threshold:0.5")
     no_fraction = CachingAllocator(cfg)
-    with_fraction = CachingAllocator(cfg, memory_fraction=1.0, device_memory_bytes=100 * MiB)
-    for a in (no_fraction, with_fraction):
+    fraction_one = CachingAllocator(cfg, memory_fraction=1.0, device_memory_bytes=100 * MiB)
+    with_fraction = CachingAllocator(cfg, memory_fraction=0.99, device_memory_bytes=100 * MiB)
+    for a in (no_fraction, fraction_one, with_fraction):
         a.free(a.malloc(30 * MiB))
         a.free(a.malloc(32 * MiB))
-        a.malloc(34 * MiB)  # reserved 62 > 50: GC frees cached segments first
-    assert no_fraction.stats.reserved == 96 * MiB
+        a.malloc(34 * MiB)  # reserved 62 > 49.5: GC frees cached segments first
+    assert no_fraction.stats.reserved == fraction_one.stats.reserved == 96 * MiB
     assert with_fraction.stats.reserved < 96 * MiB
+
+
+def test_garbage_collection_runs_only_when_no_cached_block_fits():
+    # DeviceCachingAllocator::malloc calls garbage_collect_cached_blocks inside
+    # `if (!block_found)`: a request served from the cache frees nothing.
+    cfg = AllocatorConfig.from_env("garbage_collection_threshold:0.5")
+    a = CachingAllocator(cfg, memory_fraction=0.99, device_memory_bytes=100 * MiB)
+    a.free(a.malloc(30 * MiB))
+    a.free(a.malloc(32 * MiB))  # reserved 62 MiB, above the 49.5 MiB threshold
+    a.malloc(30 * MiB)  # fits the cached 30 MiB block: no collection
+    assert a.stats.reserved == 62 * MiB
 
 
 @pytest.mark.parametrize("text", ["max_split_size_mb:10", "max_non_split_rounding_mb:8", "foo:1", "expandable_segments:yes",
