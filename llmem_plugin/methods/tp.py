@@ -304,7 +304,8 @@ def fakeify_sharded(model: nn.Module, fake_mode: Any) -> None:
 
 # ------------------------------------------------------------------- tracing
 def _trace_rank(
-    model: nn.Module, workload: Workload, *, vocab_size: int, fake_mode: Any, gpu: GPU, grad_sync: bool = False
+    model: nn.Module, workload: Workload, *, vocab_size: int, fake_mode: Any, gpu: GPU, grad_sync: bool = False,
+    streams: dict[int, int] | None = None,
 ) -> tuple[TraceResult, list[Collective]]:
     """:func:`llmem_plugin.step.trace_step` with a :class:`RankTracker`,
     logging the collectives of the last optimizer step.
@@ -313,6 +314,9 @@ def _trace_rank(
         grad_sync: The model is an FSDP2 module: sync gradients on the last
             micro-batch only, as accelerate's gradient accumulation does
             (``set_requires_gradient_sync``).
+        streams: Filled with the side stream of each allocation made off the
+            default stream (FSDP2's all-gather and reduce-scatter streams),
+            by trace record index (see :mod:`._streams`).
     """
     tracker = RankTracker(fake_mode)
     num_micro = workload.grad_accum_steps
@@ -335,6 +339,8 @@ def _trace_rank(
     trace = trace_step(model, workload, vocab_size=vocab_size, fake_mode=fake_mode,
                        compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker,
                        contexts=contexts, hooks=Hooks())
+    if streams is not None:
+        streams.update(tracker.stream_of)
     return trace, tracker.collectives
 
 
@@ -546,16 +552,17 @@ def estimate(
     vocab = int(built.config.vocab_size)
     uses_cublaslt = any(isinstance(m, nn.Linear) and m.bias is not None for m in built.modules())
     rank = 0
+    streams: dict[int, int] = {}
     trace, collectives, tp_group = _trace_one(
         built, wl, layout=layout, rank=rank, gpu=target, data_parallel=data_parallel,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, streams=streams,
     )
     intra, inter = comm_bytes(collectives, layout=layout, tp_group=tp_group)
     nccl = (layout.tp,) if data_parallel == "none" else (layout.tp, layout.dp)
     overheads = device_overheads(
         target.compute_capability, torch_version=torch_version, uses_cublaslt=uses_cublaslt, nccl_world_sizes=nccl
     )
-    mem = rank_memory(trace, rank=rank, gpu=target, overheads=overheads, alloc_conf=config)
+    mem = rank_memory(trace, rank=rank, gpu=target, overheads=overheads, alloc_conf=config, streams=streams)
     notes = [
         f"tensor parallel {layout.tp}-way"
         + (" with sequence parallel" if sequence_parallel else "")
@@ -584,7 +591,7 @@ def estimate(
 
 def _trace_one(
     model: nn.Module, workload: Workload, *, layout: Layout, rank: int, gpu: GPU, data_parallel: str,
-    sequence_parallel: bool,
+    sequence_parallel: bool, streams: dict[int, int] | None = None,
 ) -> tuple[TraceResult, list[Collective], str]:
     """Trace rank ``rank`` of ``model`` (built on meta; parallelized here, in place).
 
@@ -599,7 +606,8 @@ def _trace_one(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         fakeify_sharded(model, fake_mode)
         trace, collectives = _traced(model, workload, vocab_size=int(model.config.vocab_size),
-                                     fake_mode=fake_mode, gpu=gpu, grad_sync=data_parallel != "none")
+                                     fake_mode=fake_mode, gpu=gpu, grad_sync=data_parallel != "none",
+                                     streams=streams)
         return trace, collectives, tp_mesh.get_group().group_name
 
 
