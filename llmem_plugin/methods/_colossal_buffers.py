@@ -169,6 +169,10 @@ class LowLevelZero:
         self.elems = 0
         self.stored: dict[int, list[torch.Tensor]] = {}  # grad store: reduced buffers, by param id
         self.buffers: list[torch.Tensor] = []
+        # bucket_store.comm_stream: with overlap_communication, _run_reduction
+        # reduces inside get_accelerator().stream(comm_stream), so stage 2's
+        # reduce-scatter output (empty_like) is that stream's memory.
+        self.comm_stream = torch.cpu.Stream() if overlap else None
 
     def part(self, p: nn.Parameter) -> int:
         return (p.numel() + self.pad[id(p)]) // self.dp
@@ -220,7 +224,8 @@ class LowLevelZero:
             b.send(2 * (dp - 1) / dp * self.elems * es)
             kept = flat
         else:
-            kept = b.new(self.elems // dp, MemoryCategory.GRADIENT)
+            with torch.cpu.stream(self.comm_stream):  # None: the current stream
+                kept = b.new(self.elems // dp, MemoryCategory.GRADIENT)
             b.send((dp - 1) / dp * self.elems * es)
         held.clear()  # sync_tensor: the slices now view the reduced buffer; bucket_store.reset
         first = not any(id(p) in self.stored for p in self.in_bucket)

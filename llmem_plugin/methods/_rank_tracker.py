@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from llmem_plugin import _pause
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker
 
-__all__ = ["Collective", "RankTracker", "local", "nbytes"]
+__all__ = ["Collective", "RankTracker", "StreamTracker", "local", "nbytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,36 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
-class RankTracker(MemoryTracker):
+class StreamTracker(MemoryTracker):
+    """A :class:`MemoryTracker` that also records the stream each allocation is made on.
+
+    A wrapper written for CUDA (FSDP2, ColossalAI's LowLevelZero) allocates
+    some buffers inside ``device_handle.stream(side_stream)``; on the CPU the
+    same code switches ``torch.cpu``'s current stream (torch/cpu/__init__.py,
+    ``StreamContext``). ``stream_of`` maps the record index of every
+    allocation made off the default stream to a stream number (1, 2, ...),
+    for :func:`llmem_plugin.methods._streams.simulate_streams`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream_of: dict[int, int] = {}
+        self._default_stream = torch.cpu.current_stream()
+        self._streams: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, number); holds the stream
+
+    def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:
+        before = self.num_records
+        super()._see(storage, category)
+        if self.num_records > before:
+            stream = torch.cpu.current_stream()
+            if stream is not self._default_stream:
+                known = self._streams.get(id(stream))
+                if known is None:
+                    known = self._streams[id(stream)] = (stream, len(self._streams) + 1)
+                self.stream_of[before] = known[1]
+
+
+class RankTracker(StreamTracker):
     """A :class:`MemoryTracker` that records one rank: DTensors' local shards.
 
     A dispatch mode sees an op on DTensors before DTensor unwraps it, and a
@@ -47,7 +76,8 @@ class RankTracker(MemoryTracker):
     counts as its inner tensors. Ops run under another fake mode (DTensor's
     sharding propagation on global shapes, isolated by
     :func:`isolated_sharding_propagation`) allocate nothing on the device.
-    Also counts the collectives the step issues.
+    Also counts the collectives the step issues, and records side streams
+    as :class:`StreamTracker`.
 
     Known limitations:
         * ``register``/``label`` map a DTensor to its local tensor; other
@@ -63,12 +93,6 @@ class RankTracker(MemoryTracker):
         self._fake_mode = fake_mode
         self.record_collectives = False
         self.collectives: list[Collective] = []
-        # Record index -> stream number (1, 2, ...) of allocations made off the
-        # default stream: wrappers switch torch.cpu's current stream where a
-        # CUDA run switches CUDA streams (see methods/_streams.py).
-        self.stream_of: dict[int, int] = {}
-        self._default_stream = torch.cpu.current_stream()
-        self._streams: dict[int, tuple[Any, int]] = {}  # id(stream) -> (stream, number); holds the stream
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
@@ -96,17 +120,6 @@ class RankTracker(MemoryTracker):
             for t in _inner_tensors(out):
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
         return out
-
-    def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:
-        before = self.num_records
-        super()._see(storage, category)
-        if self.num_records > before:
-            stream = torch.cpu.current_stream()
-            if stream is not self._default_stream:
-                known = self._streams.get(id(stream))
-                if known is None:
-                    known = self._streams[id(stream)] = (stream, len(self._streams) + 1)
-                self.stream_of[before] = known[1]
 
     def register(self, tensors, category: MemoryCategory) -> None:
         super().register([local(t) for t in tensors], category)

@@ -378,7 +378,9 @@ def _trace_rank(model: nn.Module, workload: Workload, *, make_emulator: Any, dty
     vocab = int(model.get_input_embeddings().num_embeddings)
     modelbuild.fakeify(model, fake_mode)
     params = unique_params(model)
-    tracker = MemoryTracker()
+    from llmem_plugin.methods._rank_tracker import StreamTracker
+
+    tracker = StreamTracker()  # LowLevelZero's stage 2 reduces into buffers on its comm stream
     tracker.watch_modules(model)
     trace_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
     buf = Buffers(tracker, SimpleNamespace(dtype=trace_dtype, es=trace_dtype.itemsize), capacity=capacity)
@@ -494,6 +496,7 @@ def estimate(
             notes.append("gradient accumulation: every micro-batch is reduced and added (no no_sync)")
     trace, buf, _ = _trace_rank(meta, workload, make_emulator=make, dtype=dtype, gpu=gpu, capacity=capacity)
     rank = rank_memory(breakdown(trace, buf), rank=0, gpu=gpu, overheads=overheads, alloc_conf=conf,
+                       streams=buf.tracker.stream_of,
                        host_bytes=states.host_bytes)
     intra, inter = split_comm(buf.sent_bytes, layout)
     if dtype == torch.float16:
