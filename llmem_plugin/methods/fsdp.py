@@ -259,6 +259,38 @@ def _materialize(model: nn.Module, fake_mode) -> None:
 
 
 # ----------------------------------------------------------------- tracking
+# aten/src/ATen/native/cuda/TensorShape.cu: BYTES_PER_BLOCK = BYTES_PER_THREAD
+# (16) * BLOCK_SIZE (128), the bytes one thread block of chunk_cat copies.
+_CHUNK_CAT_BYTES_PER_BLOCK = 16 * 128
+
+
+def _chunk_cat_metadata_numel(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> int:
+    """int64 elements of the metadata CUDA's ``_chunk_cat`` (dim 0, ``out=``)
+    copies to the device, or 0 where it takes the composite path.
+
+    aten/src/ATen/native/cuda/TensorShape.cu ``_chunk_cat_out_cuda``: with
+    contiguous inputs and output of one dtype, or bf16 into fp32 (FSDP2's
+    reduce-scatter copy-in under ``reduce_dtype=float32``), it packs seven
+    int64 vectors (``get_chunk_cat_metadata``: the sources, one entry per
+    thread block, two of ``n + 1`` and three of ``n``) into one device tensor
+    (``pack_vecs``) that lives until the kernel is launched. Each tensor's
+    chunk of ``ceil(dim0 / num_chunks) * trailing * out_elem_size`` bytes
+    takes ``ceil(chunk / BYTES_PER_BLOCK)`` blocks.
+    """
+    same = all(t.dtype == out.dtype for t in tensors)
+    upcast = all(t.dtype == torch.bfloat16 for t in tensors) and out.dtype == torch.float32
+    if not tensors or not (same or upcast):
+        return 0
+    if not (out.is_contiguous() and all(t.is_contiguous() for t in tensors)):
+        return 0
+    blocks = 0
+    for t in tensors:
+        rows = -(-t.shape[0] // num_chunks) * num_chunks
+        chunk_bytes = rows * (t.numel() // max(t.shape[0], 1)) * out.element_size() // num_chunks
+        blocks += -(-chunk_bytes // _CHUNK_CAT_BYTES_PER_BLOCK)
+    return blocks + 6 * len(tensors) + 2
+
+
 @contextlib.contextmanager
 def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[None]:
     """Report FSDP2's storage resizes and label its buffers (as
@@ -267,14 +299,24 @@ def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[No
 
     Names patched (torch 2.13, torch/distributed/fsdp/_fully_shard/):
     ``_fsdp_param.alloc_storage`` / ``free_storage`` (unsharded parameters),
-    ``_fsdp_param_group.foreach_all_gather`` (its flat output) and
-    ``foreach_reduce`` (the reduce-scatter input, the HSDP all-reduce buffer).
+    ``_fsdp_param_group.foreach_all_gather`` (its flat output),
+    ``foreach_reduce`` (the reduce-scatter input, the HSDP all-reduce buffer)
+    and ``_fsdp_collectives.foreach_reduce_scatter_copy_in`` (the metadata
+    CUDA's ``_chunk_cat`` kernel allocates, :func:`_chunk_cat_metadata_numel`:
+    8 B per 2 KiB of reduce-scatter input, 1 MiB on Llama-3.2-1B's root
+    group over 8 ranks, where it raised the allocated peak on the stub CUDA
+    device).
     """
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives,
+        _fsdp_param,
+        _fsdp_param_group,
+    )
 
     names = [(_fsdp_param, "alloc_storage"), (_fsdp_param, "free_storage"), (_fsdp_param, "ShardedState"),
              (_fsdp_param, "FSDPParam"), (_fsdp_param_group, "alloc_storage"),
-             (_fsdp_param_group, "foreach_all_gather"), (_fsdp_param_group, "foreach_reduce")]
+             (_fsdp_param_group, "foreach_all_gather"), (_fsdp_param_group, "foreach_reduce"),
+             (_fsdp_collectives, "foreach_reduce_scatter_copy_in")]
     missing = [f"{owner.__name__}.{name}" for owner, name in names if not hasattr(owner, name)]
     if missing:
         raise UnsupportedError(
@@ -285,6 +327,7 @@ def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[No
     fsdp_param_cls = _fsdp_param.FSDPParam
     alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
     gather, reduce = _fsdp_param_group.foreach_all_gather, _fsdp_param_group.foreach_reduce
+    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
     inputs_property = fsdp_param_cls.all_gather_inputs
 
     def alloc_storage(tensor: torch.Tensor) -> None:
@@ -317,6 +360,12 @@ def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[No
                     tracker.label([host], MemoryCategory.HOST)
         return out
 
+    def reduce_scatter_copy_in(unsharded_grads, reduce_scatter_input, world_size):
+        numel = _chunk_cat_metadata_numel(unsharded_grads, world_size, reduce_scatter_input)
+        metadata = torch.empty(numel, dtype=torch.int64, device=reduce_scatter_input.device) if numel else None
+        copy_in(unsharded_grads, reduce_scatter_input, world_size)
+        del metadata  # freed when _chunk_cat_out_cuda_contiguous returns
+
     def all_gather_inputs(self):
         if not self.offload_to_cpu or self.sharded_state is not _fsdp_param.ShardedState.SHARDED:
             return inputs_property.fget(self)
@@ -329,7 +378,8 @@ def fsdp_instrumented(tracker: RankTracker, *, cpu_offload: bool) -> Iterator[No
     patches = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
                (_fsdp_param_group, "alloc_storage", alloc_storage),
                (_fsdp_param_group, "foreach_all_gather", foreach_all_gather),
-               (_fsdp_param_group, "foreach_reduce", foreach_reduce)]
+               (_fsdp_param_group, "foreach_reduce", foreach_reduce),
+               (_fsdp_collectives, "foreach_reduce_scatter_copy_in", reduce_scatter_copy_in)]
     if cpu_offload:
         patches.append((fsdp_param_cls, "all_gather_inputs", property(all_gather_inputs)))
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
