@@ -257,8 +257,13 @@ class LowLevelZero:
             else:  # fp32 training: the stored slice itself
                 m.grad = self.stored[id(p)][0].narrow(0, 0, self.part(p))
             grads32.append(m.grad)
-        for p in self.trainable:  # _compute_grad_norm: grad.data.double().norm(2), one at a time
-            t = b.new(self.part(p), MemoryCategory.TEMPORARY, torch.float64)
+        # _compute_grad_norm: grad.data.double().norm(2), one at a time, over
+        # the grad store's gradients in the order they were stored
+        # (GradientStore.get_working_grads_by_group_id: a dict filled as
+        # buckets are reduced, i.e. in backward order), not parameter order.
+        by_id = {id(p): p for p in self.trainable}
+        for pid in list(self.stored):
+            t = b.new(self.part(by_id[pid]), MemoryCategory.TEMPORARY, torch.float64)
             del t
         before = {id(t) for t in state_tensors(self.optimizer)}
         self.optimizer.step()
