@@ -16,9 +16,12 @@ matching preset and layout) and the row holds both, per rank.
 The row has the ground-truth fields of :mod:`.rows` where they apply (``id``,
 ``model``, ``config_overrides``, ``workload``, ``status``, ``error``,
 ``steps``, ``measured``, ``gpu``, ``env``, ``seconds``) plus ``method``
-(the estimator's preset), ``world_size``, ``tp``, ``rank``, ``options``,
+(the estimator's preset), ``world_size``, ``tp``, ``rank``, ``options``, ``commit`` (of
+the checkout that predicted),
 ``device_kind: "stub"``, ``predicted`` and ``difference`` (predicted minus
-stub: positive = over-estimate), ``segments`` (the stub's reserved bytes per
+stub: positive = over-estimate), ``under_dispatch_mode`` (where they differ:
+the stub rerun with backward under a do-nothing ``TorchDispatchMode``, as the
+estimator traces it, and the prediction's difference from that), ``segments`` (the stub's reserved bytes per
 allocator stream and pool at the end) and ``stub_adjustments`` (what the
 worker does differently from a GPU run, :data:`.stub_worker.STUB_ADJUSTMENTS`).
 ``measured.device_total_bytes`` is null: the stub's device-used memory is
@@ -118,6 +121,13 @@ CONFIGS: list[StubConfig] = [
          options={"reshard_after_forward": False}),
     StubConfig(id="tp2-tiny", method="tp", worker="tp", world=2, tp=2, ranks=(0, 1)),
     _mid(id="tp2-mid", method="tp", worker="tp", world=2, tp=2, ranks=(0, 1)),
+    # TP inside, FSDP2 fully_shard / replicate over the data-parallel dimension.
+    StubConfig(id="fsdp-tp2-w4-tiny", method="fsdp-tp", worker="tp", world=4, tp=2, ranks=(0, 3),
+               options={"data_parallel": "fully_shard"}),
+    StubConfig(id="dp-tp2-w4-tiny", method="dp-tp", worker="tp", world=4, tp=2, ranks=(0, 3),
+               options={"data_parallel": "replicate"}),
+    _mid(id="fsdp-tp2-w4-mid", method="fsdp-tp", worker="tp", world=4, tp=2, ranks=(0, 3),
+         options={"data_parallel": "fully_shard"}),
     StubConfig(id="lowlevel-zero1-w2-tiny", method="lowlevel-zero1", worker="lowlevel", world=2, ranks=(0, 1),
                options={"stage": 1}),
     StubConfig(id="lowlevel-zero2-w2-tiny", method="lowlevel-zero2", worker="lowlevel", world=2, ranks=(0, 1),
@@ -158,6 +168,20 @@ def predict(config: StubConfig, *, gpu: str = DEFAULT_GPU) -> dict[int, dict[str
             for r in est.ranks}
 
 
+def _commit() -> str | None:
+    """The checkout's commit (predictions change with the estimator), "+dirty" with uncommitted changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _predicted_for(pred: dict[int, dict[str, int]], rank: int) -> tuple[dict[str, int], str]:
     if rank in pred:
         return pred[rank], f"rank {rank}"
@@ -167,11 +191,19 @@ def _predicted_for(pred: dict[int, dict[str, int]], rank: int) -> tuple[dict[str
     return pred[src], f"rank {src} (the estimator reports ranks alike to it)"
 
 
-def measure(config: StubConfig, rank: int, *, gpu: str = DEFAULT_GPU, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run one rank on the stub device; the worker's JSON (``error`` set on failure)."""
+def measure(config: StubConfig, rank: int, *, gpu: str = DEFAULT_GPU, timeout_s: float = 600.0,
+            noop_mode: bool = False) -> dict[str, Any]:
+    """Run one rank on the stub device; the worker's JSON (``error`` set on failure).
+
+    Args:
+        noop_mode: Run backward under a do-nothing ``TorchDispatchMode``, as
+            the estimator's trace runs it (a diagnostic: autograd then sums a
+            tensor's incoming gradients out of place, see the note).
+    """
     from stubcuda import runner
 
-    proc = runner.run_python(["-m", "benchmarks.groundtruth.stub_worker", json.dumps(config.spec(rank))],
+    spec = {**config.spec(rank), "noop_mode": noop_mode}
+    proc = runner.run_python(["-m", "benchmarks.groundtruth.stub_worker", json.dumps(spec)],
                              gpu=gpu, timeout_s=timeout_s, cwd=_REPO_ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]
     if not lines:
@@ -221,6 +253,7 @@ def run_config(config: StubConfig, *, gpu: str = DEFAULT_GPU) -> list[dict[str, 
             "stub_adjustments": {k: STUB_ADJUSTMENTS[k] for k in got.get("adjustments", [])},
             "gpu": got.get("gpu"),
             "env": got.get("env"),
+            "commit": _commit(),
             "seconds": round(time.perf_counter() - t0, 2),
         }
         if row["steps"]:
@@ -231,8 +264,21 @@ def run_config(config: StubConfig, *, gpu: str = DEFAULT_GPU) -> list[dict[str, 
             if row["status"] == "ok":
                 row["difference"] = {k: row["predicted"][k] - row["measured"][k]
                                      for k in ("allocated_bytes", "reserved_bytes")}
+                if any(row["difference"].values()):
+                    row["under_dispatch_mode"] = _under_dispatch_mode(config, rank, row["predicted"], gpu=gpu)
         out.append(row)
     return out
+
+
+def _under_dispatch_mode(config: StubConfig, rank: int, predicted: dict[str, int], *, gpu: str) -> dict[str, Any]:
+    """The same rank with backward under a do-nothing dispatch mode, and the
+    prediction's difference from that: what is left once the tracer's own
+    effect on autograd is taken out."""
+    got = measure(config, rank, gpu=gpu, noop_mode=True)
+    if "error" in got:
+        return {"error": got["error"]}
+    measured = {k: max(s[k] for s in got["steps"]) for k in ("allocated_bytes", "reserved_bytes")}
+    return {"measured": measured, "difference": {k: predicted[k] - measured[k] for k in measured}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
