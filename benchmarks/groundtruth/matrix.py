@@ -308,7 +308,7 @@ STUB_CASES: list[Case] = [
     _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-eager"),
     _gpu("llama-3.2-1b-bf16-mixed-s1024-b4-sdpa-trainer"),
     _gpu("llama-3.2-1b-bf16-s4096-b4-gc-sdpa-adamw-fused"),
-    _gpu("llama-3.2-1b-bf16-mixed-s2048-b16-gc-sdpa"),
+    _case("llama-3.2-1b", "bf16-mixed", 2048, 8, gc=True),  # b16 (a GPU case) runs out of the stub's 79.6 GiB
     _gpu("llama-3.2-1b-bf16-mixed-s4096-b2-lora-sdpa"),
     _case("llama-3.2-1b", "fp16-mixed", 2048, 2, lora=LORA),
     _case("llama-3.2-1b", "bf16-mixed", 1024, 2, accum=2),
