@@ -231,24 +231,42 @@ def uses_cublaslt(model: nn.Module) -> bool:
 
 def allocator_events(trace: TraceResult, overheads: DeviceOverheads) -> tuple[list[tuple[int, int, int]], list[str]]:
     """The trace's event stream with the cuBLAS workspaces inserted where a
-    CUDA run creates them: at the start of the first forward and the first
-    backward (each phase's thread makes its own on its first matmul).
+    CUDA run creates them: each phase's thread (forward: the main thread;
+    backward: the autograd engine's) makes its own on its first cuBLAS call,
+    after that call's output (the trace's ``cublas:<phase>`` mark,
+    :mod:`llmem_plugin.emulation.kernels`); at the start of the phase in
+    traces without the mark.
 
     Returns:
         The events and, aligned with them, each event's phase. (``trace.timeline``
         holds one entry per event of ``trace.events``, so it gives the phases.)
     """
     pending = {Phase(k): v for k, v in workspace_allocations(overheads).items()}
+    at: dict[int, list[tuple[Phase, list[int]]]] = {}
+    for phase in list(pending):
+        pos = trace.marks.get(f"cublas:{phase.value}")
+        if pos is not None:
+            at.setdefault(pos, []).append((phase, pending.pop(phase)))
     out: list[tuple[int, int, int]] = []
     phases: list[str] = []
     key = -1
-    for ev, (_, phase, _) in zip(trace.events, trace.timeline, strict=True):
-        for nbytes in pending.pop(phase, ()):
+
+    def insert(phase: Phase, sizes: list[int]) -> None:
+        nonlocal key
+        for nbytes in sizes:
             out.append((1, key, nbytes))  # never freed
             phases.append(phase.value)
             key -= 1
+
+    for i, (ev, (_, phase, _)) in enumerate(zip(trace.events, trace.timeline, strict=True)):
+        for ph, sizes in at.pop(i, ()):
+            insert(ph, sizes)
+        insert(phase, pending.pop(phase, []))
         out.append(ev)
         phases.append(phase.value)
+    for pos in sorted(at):  # marks after the last event
+        for ph, sizes in at[pos]:
+            insert(ph, sizes)
     return out, phases
 
 

@@ -219,7 +219,8 @@ def trace_step(
             start = tracker.num_records
             model = wrap(model)
             tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
-        with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms):
+        with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms,
+                            mark=tracker.mark):
             hooks.setup()
             for it in range(NUM_ITERATIONS):
                 for mb in range(workload.grad_accum_steps):

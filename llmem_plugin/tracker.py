@@ -96,6 +96,10 @@ class TraceResult:
         num_events: Allocation plus free events recorded.
         host_peak_bytes: Highest host-resident (``HOST``) bytes live at once,
             e.g. offloaded activations in pinned memory.
+        marks: ``"name:phase"`` -> position in ``events`` where
+            :meth:`MemoryTracker.mark` was first called with that name in
+            that phase (e.g. "cublas:backward", where a CUDA run creates the
+            backward thread's cuBLAS workspace).
     """
 
     peak_bytes: int
@@ -108,6 +112,7 @@ class TraceResult:
     num_events: int = 0
     events: list[tuple[int, int, int]] = field(repr=False, default_factory=list)
     host_peak_bytes: int = 0
+    marks: dict[str, int] = field(repr=False, default_factory=dict)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -136,6 +141,7 @@ class MemoryTracker(TorchDispatchMode):
         self._backward_module = ""
         self._hooks: list[Any] = []
         self._module_names: dict[int, str] = {}
+        self._marks: dict[str, int] = {}  # "name:phase" -> index into _events
 
     # ------------------------------------------------------------------ setup
     def watch_modules(self, model: torch.nn.Module) -> None:
@@ -221,6 +227,10 @@ class MemoryTracker(TorchDispatchMode):
     def num_records(self) -> int:
         return len(self._records)
 
+    def mark(self, name: str) -> None:
+        """Remember the current point of the event stream as ``name`` in this phase (first call only)."""
+        self._marks.setdefault(f"{name}:{self.phase.value}", len(self._events))
+
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = self._run(func, args, kwargs)
@@ -293,7 +303,11 @@ class MemoryTracker(TorchDispatchMode):
         timeline: list[tuple[int, Phase, int]] = []
         events: list[tuple[int, int, int]] = []
         host = host_peak = 0
+        at_event = {i: name for name, i in self._marks.items()}
+        marks: dict[str, int] = {}
         for i, ((sign, idx), phase) in enumerate(zip(self._events, self._phase_of_event)):
+            if i in at_event:
+                marks[at_event[i]] = len(events)
             rec = recs[idx]
             if rec.category is MemoryCategory.HOST:
                 host += sign * rec.nbytes
@@ -325,6 +339,7 @@ class MemoryTracker(TorchDispatchMode):
             num_events=len(self._events),
             events=events,
             host_peak_bytes=host_peak,
+            marks={**marks, **{n: len(events) for n, i in self._marks.items() if i >= len(self._events)}},
         )
 
     def _breakdowns_at(self, indices: list[int]) -> dict[int, dict[MemoryCategory, int]]:

@@ -9,6 +9,9 @@ behaviour for the duration of the trace:
 * ``scaled_dot_product_attention`` selects a CUDA backend and allocates what
   that kernel allocates (:mod:`.sdpa`);
 * dropout uses the fused kernel CUDA uses (:func:`_cuda_dropout`);
+* ``sum`` / ``mean`` reductions that CUDA splits across thread blocks
+  allocate its scratch buffer and semaphores, and the first cuBLAS call of
+  each phase marks where its thread's workspace is created (:mod:`.kernels`);
 * transformers builds the same causal mask (none) it builds in a real run
   (:func:`_real_run_masking`).
 """
@@ -16,7 +19,7 @@ behaviour for the duration of the trace:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,7 @@ def cuda_emulation(
     autocast_dtype: torch.dtype | None,
     compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
     num_sms: int | None = None,
+    mark: Callable[[str], None] | None = None,
 ) -> Iterator[None]:
     """Emulate CUDA's allocation behaviour on CPU for the duration of the block.
 
@@ -42,13 +46,21 @@ def cuda_emulation(
             none. Autocast itself is entered per forward, with
             :func:`autocast_region`; this installs the CUDA op policy.
         compute_capability: GPU generation whose kernel choices to follow.
+        num_sms: The GPU's multiprocessor count (SDPA heuristics, reduction
+            launch configurations); None: the generation's default.
+        mark: Told where CUDA would create a thread's cuBLAS workspace
+            (:mod:`.kernels`); the tracker's ``mark`` in a trace.
     """
-    from llmem_plugin.emulation.sdpa import patch_sdpa
+    from llmem_plugin.emulation.kernels import cuda_kernels
+    from llmem_plugin.emulation.sdpa import CudaSdpaTarget, patch_sdpa
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_real_run_masking())
         stack.enter_context(_cuda_dropout())
         stack.enter_context(patch_sdpa(compute_capability=compute_capability, num_sms=num_sms))
+        # The resolved multiprocessor count (a table default when num_sms is None).
+        sms = CudaSdpaTarget(compute_capability=tuple(compute_capability), num_sms=num_sms).num_sms
+        stack.enter_context(cuda_kernels(compute_capability=compute_capability, num_sms=sms, mark=mark))
         if autocast_dtype is not None:
             from llmem_plugin.emulation.autocast import cuda_autocast_policy
 
@@ -92,6 +104,14 @@ def _real_run_masking() -> Iterator[None]:
     def find_packed_sequence_indices(position_ids):
         # The traced batch is unpacked (one sequence per row, positions
         # 0..s-1), for which a real run returns None after reading the values.
+        # The tensors it reads them through are allocated first, as in
+        # transformers/masking_utils.py (5.x): the diff against a prepended
+        # first-minus-one, the cumsum of the breaks and the last column's test
+        # (seen on the stub CUDA device; benchmarks/results/stub-wholestep-2026-11-25.md).
+        first_dummy_value = position_ids[:, :1] - 1
+        position_diff = torch.diff(position_ids, prepend=first_dummy_value, dim=-1)
+        packed_sequence_mask = (position_diff != 1).cumsum(-1)
+        (packed_sequence_mask[:, -1] == 0).all()
         return None
 
     original_packed = masking_utils.find_packed_sequence_indices

@@ -290,7 +290,12 @@ class _Signature:
 
     def map_tensors(self, args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> tuple[list, dict]:
         new_args, new_kwargs = list(args), dict(kwargs)
-        for index, name, kwarg_only, _ in self.tensors:
+        # Last argument first: WrapFunction_ casts in a pack expansion,
+        # ``(*F)(cached_cast(to_type, args, device_type)...)``, whose evaluation
+        # order C++ leaves unspecified and GCC (torch's Linux wheels) makes
+        # right to left. On the stub CUDA device a Linear's weight copy is
+        # allocated before its input's (benchmarks/results/stub-wholestep-2026-11-25.md).
+        for index, name, kwarg_only, _ in reversed(self.tensors):
             if not kwarg_only and index < len(new_args):
                 new_args[index] = fn(new_args[index])
             elif name in new_kwargs:

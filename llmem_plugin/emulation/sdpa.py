@@ -924,16 +924,22 @@ class _CudnnAttention(torch.autograd.Function):
 class _SafeSoftmax(torch.autograd.Function):
     """``_safe_softmax`` (CompositeExplicitAutograd, so its inner ops allocate on CUDA).
 
-    2.13 body (profiled): ``out = softmax(x)``, ``masked = isneginf(x)``,
-    ``rows = all(masked, dim, keepdim)``, ``where(rows, scalar_tensor(0), out)``.
-    Autograd saves only the result (``_softmax_backward_data``).
+    2.13 body: ``out = softmax(x)``, ``masked = isneginf(x)``,
+    ``rows = all(masked, dim, keepdim)``, a 0-dim zero, and the dead rows
+    zeroed in ``out`` itself: on the stub CUDA device (torch 2.13's CUDA
+    build and allocator) the op allocates the softmax output, the
+    ``isneginf`` mask, the ``all`` rows and a 4-byte scalar, and no
+    ``where`` output (benchmarks/results/stub-wholestep-2026-11-25.md:
+    a ``where`` here cost one s x s fp32 tensor per layer and 260 MiB of
+    reserved memory on Llama-3.2-1B in fp32). Autograd saves only the result
+    (``_softmax_backward_data``).
     """
 
     @staticmethod
     def forward(ctx, x, dim):
         out = torch.softmax(x, dim)
         rows = torch.isneginf(x).all(dim, keepdim=True)
-        result = torch.where(rows, out.new_full((), 0.0), out)
+        result = out.masked_fill_(rows, out.new_full((), 0.0))
         ctx.save_for_backward(result)
         ctx.dim, ctx.dtype = dim, x.dtype
         return result

@@ -59,7 +59,7 @@ def test_nccl_buffers_per_communicator():
     assert ov.outside_allocator_bytes == CUDA_CONTEXT_BYTES + ov.nccl_bytes
 
 
-def test_workspaces_are_inserted_at_the_first_forward_and_backward_event():
+def test_workspaces_are_inserted_after_the_first_cublas_call_of_forward_and_backward():
     ov = device_overheads((9, 0), torch_version="2.11.0", uses_cublaslt=True)
     assert workspace_allocations(ov) == {"forward": [LARGE, MiB], "backward": [LARGE]}
     from llmem_plugin.estimate import _trace
@@ -71,8 +71,13 @@ def test_workspaces_are_inserted_at_the_first_forward_and_backward_event():
     events, phases = allocator_events(trace, ov)
     assert len(events) == len(trace.events) + 3 == len(phases)
     injected = [(i, e) for i, e in enumerate(events) if e[1] < 0]
+    # The thread's first cuBLAS call (the emulation's mark) makes its workspace,
+    # after that call's output; not the first event of the phase (the embedding).
+    fwd, bwd = trace.marks["cublas:forward"], trace.marks["cublas:backward"]
     first = {p: phases.index(p.value) for p in (Phase.FORWARD, Phase.BACKWARD)}
-    assert [i for i, _ in injected] == [first[Phase.FORWARD], first[Phase.FORWARD] + 1, first[Phase.BACKWARD]]
+    assert first[Phase.FORWARD] < fwd and first[Phase.BACKWARD] < bwd + 2
+    assert [i for i, _ in injected] == [fwd, fwd + 1, bwd + 2]
+    assert events[fwd - 1][0] == 1 and phases[fwd] == "forward" and phases[bwd + 2] == "backward"
     assert all(e[0] == 1 for _, e in injected)  # never freed
 
 

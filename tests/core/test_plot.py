@@ -53,9 +53,9 @@ def test_memory_timeline_holds_the_reported_peaks(est):
 
 def test_memory_timeline_comes_from_the_capped_replay_when_it_is_reported():
     cfg = tiny_config("llama", hidden_size=256, intermediate_size=640, num_hidden_layers=4)
-    roomy = llmem_plugin.estimate(cfg, seq_len=512, batch_size=2)
+    roomy = llmem_plugin.estimate(cfg, seq_len=1024, batch_size=2)
     # 2 MiB short: the free replay no longer fits, the capped one frees cache, retries and fits.
-    tight = llmem_plugin.estimate(cfg, seq_len=512, batch_size=2, gpu_memory=roomy.device_total_bytes - 2 * 2**20)
+    tight = llmem_plugin.estimate(cfg, seq_len=1024, batch_size=2, gpu_memory=roomy.device_total_bytes - 2 * 2**20)
     assert tight.fits and tight.peak_reserved_bytes < roomy.peak_reserved_bytes
     assert max(p[3] for p in tight.memory_timeline) == tight.peak_reserved_bytes
     assert max(p[2] for p in tight.memory_timeline) == tight.peak_allocated_bytes
