@@ -270,40 +270,67 @@ class LowLevelZero:
         for t in state_tensors(self.optimizer):
             if id(t) not in before:
                 b.tracker.label([t], MemoryCategory.OPTIMIZER_STATE)
-        for m in self.master:  # release_param_grad
+        # step()'s loop variable ``grad`` keeps the last parameter's fp32
+        # gradient until step() returns, after the all-gather.
+        grad = grads32[-1] if grads32 else None
+        grads32.clear()  # grad_partition_groups = []: the masters' .grad still hold them
+        for m in self.master:  # release_param_grad: freed in master order
             m.grad = None
-        grads32.clear()
-        # all-gather: master.to(device).to(dtype), bucketed by reduce_bucket_size.
-        bucket: list[torch.Tensor] = []
+        # All-gather (overlap_allgather=False): per master, in order,
+        # param_to_gather = master.to(device).to(dtype), rebound each
+        # iteration (the previous copy is dropped once the next exists);
+        # above the bucket's max size straight into the padded parameter
+        # (all_gather_into_flat_tensor_nd), else into a reduce_bucket_size
+        # TensorBucket, all-gathered when the next copy would overflow it.
+        bucket: list[torch.Tensor | None] = []
         size = 0
+        to_gather = None
         for p, m in zip(self.trainable, self.master):
             n = self.part(p)
-            t = b.new(n, MemoryCategory.TEMPORARY) if es != 4 else m
-            if n > self.bucket_size:  # all_gather_into_flat_tensor_nd into the padded param
+            to_gather = b.new(n, MemoryCategory.TEMPORARY) if es != 4 else m
+            if n > self.bucket_size:
                 b.send((dp - 1) * n * es)
-                del t
                 continue
             if size + n > self.bucket_size:
                 self._all_gather(bucket, size)
-                bucket, size = [], 0
-            bucket.append(t)
+                size = 0
+            bucket.append(to_gather)
             size += n
-            del t
         if bucket:
             self._all_gather(bucket, size)
-        # optimizer.zero_grad(): zero_grad_stores
+        del grad  # step()'s locals, in order
+        del to_gather
+        # optimizer.zero_grad() -> zero_grad_stores: GradientStore._grads_of_params
+        # is dropped in insertion order, so each reduced buffer goes when its
+        # last gradient does: in the order the buffers were made.
         self.stored.clear()
-        self.buffers.clear()
+        while self.buffers:
+            del self.buffers[0]
 
-    def _all_gather(self, bucket: list[torch.Tensor], size: int) -> None:
-        """TensorBucket.all_gather: flatten, a world-size buffer, one
-        re-flattened copy per tensor written back."""
+    def _all_gather(self, bucket: list[torch.Tensor | None], size: int) -> None:
+        """TensorBucket.all_gather (bookkeeping/tensor_bucket.py), emptying ``bucket``.
+
+        ``flatten()`` (a view when the bucket holds one tensor), a world-size
+        buffer, then per tensor a re-flattened copy of its ``dp`` shards
+        written back (``rec_tensor``, rebound per tensor). ``self.empty()``
+        then drops the bucket's tensors in order (``_write_back_pairs``),
+        all but the loop's last (still the local ``tensor``); the frame's
+        locals go last, in order: ``flat``, ``buffer`` (with the views of it
+        in ``unflat_shards``), ``tensor``, ``rec_tensor``.
+        """
         b, dp, es = self.b, self.dp, self.b.plan.es
-        flat = b.new(size, ZeroCategory.BUCKETS)
+        flat = b.new(size, ZeroCategory.BUCKETS) if len(bucket) > 1 else None
         gathered = b.new(size * dp, ZeroCategory.BUCKETS)
         b.send((dp - 1) * size * es)
+        rec = None
         for t in bucket:
             rec = b.new(t.numel() * dp, MemoryCategory.TEMPORARY)
-            del rec
-        del flat, gathered
+        last = bucket[-1]
+        for i in range(len(bucket)):
+            bucket[i] = None
         bucket.clear()
+        del t
+        del flat
+        del gathered
+        del last
+        del rec
