@@ -61,8 +61,10 @@ named beside each (``colossalai/`` prefix left out):
       ``all_gather``) into the padded parameters.
 
 Known limitations:
-    * One stream: the async reduce / communication streams (``record_stream``)
-      delay frees; frees here happen at once.
+    * LowLevelZero stage 2's reduce-scatter outputs are made on its
+      communication stream and replayed in that stream's pools
+      (:mod:`._streams`); the flat bucket's ``record_stream`` (freed once the
+      communication stream's event completes) is taken as freed at once.
     * Gathering and releasing are placed at module granularity (a module's own
       parameters), where ColossalAI hooks each op (``GeminiZeROHook``); the
       modules of a Llama-family decoder use their parameters in one op each.

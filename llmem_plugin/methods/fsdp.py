@@ -11,11 +11,17 @@ parameter shards, all-gathered parameters, all-gather and reduce-scatter
 buffers, sharded gradients, optimizer states, activations.
 
 Known limitations:
-    * One stream. FSDP2 all-gathers and reduce-scatters on side streams; the
-      CUDA caching allocator keeps a pool per stream, so reserved memory can
-      exceed the single-stream replay. Tensor lifetimes are exact: FSDP2
-      keeps its cross-stream buffers alive by reference (all_gather_state,
-      reduce_scatter_states), and those references run the same on CPU.
+    * Side streams are replayed with pools of their own
+      (:mod:`._streams`): FSDP2 allocates its all-gather buffers on the
+      copy-in stream and its reduce-scatter outputs on the reduce-scatter
+      stream. A block freed there is reusable at once, as on a GPU: FSDP2
+      keeps cross-stream buffers alive by reference (all_gather_state,
+      reduce_scatter_states) instead of ``record_stream``, and those
+      references run the same on CPU. Equal to the stub CUDA device byte for
+      byte on 2 and 8 ranks (benchmarks/results/stub-distributed-2026-11-25.md).
+    * The few hundred bytes of metadata CUDA's ``split_with_sizes_copy``
+      (the all-gather copy-out) copies to the device are not allocated;
+      ``_chunk_cat``'s (the reduce-scatter copy-in) are.
     * ``cpu_offload``: the host-to-device copy of each shard before its
       all-gather and the device-to-host copy of each sharded gradient are
       emulated (a CPU trace has no second device); the optimizer step runs
