@@ -94,13 +94,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _list_cases() -> None:
     gpu_ids = {c.id for c in GPU_CASES}
-    stub_only = [c for c in STUB_CASES if c.id not in gpu_ids]
-    for title, cases in (("GPU cases", GPU_CASES), ("Stub cases (the default of --device stub; also "
-                                                     f"{len(STUB_CASES) - len(stub_only)} GPU cases)", stub_only),
+    for title, cases in (("GPU cases", GPU_CASES), ("Stub cases (--device stub; [gpu]: also a GPU case)", STUB_CASES),
                          ("CPU cases", CPU_CASES)):
         print(f"{title} ({len(cases)}):")
         for c in cases:
             edge = f"  [edge: {c.expect}]" * c.edge + f"  {c.note}" * bool(c.note)
+            if cases is STUB_CASES:
+                edge = "  [gpu]" * (c.id in gpu_ids)
             print(f"  {c.id:58s} {c.runner}{edge}")
 
 
