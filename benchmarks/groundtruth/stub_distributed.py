@@ -158,12 +158,16 @@ def predict(config: StubConfig, *, gpu: str = DEFAULT_GPU) -> dict[int, dict[str
     from llmem_plugin.workload import Workload
 
     # The stub's cuDNN computes nothing, so its SDPA backend is off there; the
-    # estimator's SDPA emulation reads the same switch.
+    # estimator's SDPA emulation reads the same switch (restored afterwards).
+    cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     options = {k: v for k, v in config.options.items() if k not in _WORKER_ONLY}
-    est = estimate_method(config.method, case_config(config.model, config.overrides), Workload(**config.workload),
-                          layout=Layout(num_gpus=config.world, tp=config.tp), gpu=gpu,
-                          **options, **config.estimator_options)
+    try:
+        est = estimate_method(config.method, case_config(config.model, config.overrides),
+                              Workload(**config.workload), layout=Layout(num_gpus=config.world, tp=config.tp),
+                              gpu=gpu, **options, **config.estimator_options)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     return {r.rank: {"allocated_bytes": r.peak_allocated_bytes, "reserved_bytes": r.peak_reserved_bytes}
             for r in est.ranks}
 
