@@ -80,7 +80,8 @@ def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
     torch/csrc/autograd/input_buffer.cpp ``accumulate`` (torch 2.13): with grad
     mode off, ``buffer[pos] = old_var.add_(var)`` when ``can_accumulate_inplace(old_var)``
     -- a plain tensor (not a tensor subclass), non-overlapping and dense, whose
-    last reference the buffer holds -- else ``old_var + var``. Under the
+    last reference the buffer holds, storage included (so not a view) -- else
+    ``old_var + var``. Under the
     tracer every tensor is a FakeTensor and a dispatch mode holds references,
     so the engine always takes the out-of-place branch and the trace gains a
     transient the size of the gradient at every fan-in (residual streams,
@@ -97,7 +98,11 @@ def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
         return False
     if old.shape != var.shape or old.dtype != var.dtype or old.is_sparse or var.is_sparse:
         return False
-    return is_non_overlapping_and_dense(old) and _from_autograd_engine()
+    # A view (a transposed weight gradient from TBackward, a reshaped one)
+    # shares its storage with its base, which the view keeps alive:
+    # ``storage().use_count() == 1`` fails and CUDA adds out of place (seen on
+    # the stub for Llama-3.2-1B's tied embedding under checkpointing).
+    return not old._is_view() and is_non_overlapping_and_dense(old) and _from_autograd_engine()
 # Threads per multiprocessor where the table has no entry: sm90's.
 _DEFAULT_MAX_THREADS_PER_SM = 2048
 

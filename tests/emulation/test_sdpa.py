@@ -347,10 +347,12 @@ def test_math_allocations():
     b, h, s, d = 2, 4, 16, 8
     bhss = b * h * s * s
     # q*sqrt(scale), k^T*sqrt(scale), bmm, then _safe_softmax: softmax, isneginf (bool),
-    # all (bool [b,h,s,1]), scalar 0, where; final bmm. fp32: the casts are no-ops.
-    # matmul's reshape to [b*h, s, d] copies the scaled query, which keeps the
-    # [b,s,h,d] layout of transformers' q (at::matmul -> expand().reshape()).
-    fwd = [b * h * s * d * 4, b * h * d * s * 4, bhss * 4, bhss * 4, bhss, b * h * s, 4, bhss * 4, b * h * s * d * 4]
+    # all (bool [b,h,s,1]), scalar 0, dead rows zeroed in place (no where output: the
+    # stub CUDA device, benchmarks/results/stub-wholestep-2026-11-25.md); final bmm.
+    # fp32: the casts are no-ops. matmul's reshape to [b*h, s, d] copies the scaled
+    # query, which keeps the [b,s,h,d] layout of transformers' q (at::matmul ->
+    # expand().reshape()).
+    fwd = [b * h * s * d * 4, b * h * d * s * 4, bhss * 4, bhss * 4, bhss, b * h * s, 4, b * h * s * d * 4]
     fwd += [b * h * s * d * 4]
     got_fwd, _, _ = record((9, 0), lambda: qkv(b, h, s, d, F32, hk=2), gqa=True)
     fake_fwd, _, _ = record((9, 0), lambda: qkv(b, h, s, d, F32, hk=2), gqa=True, fake=True)
