@@ -74,7 +74,9 @@ def test_accumulation_past_two_micro_steps_does_not_move_the_peak():
 def test_more_gpus_never_make_the_best_throughput_worse():
     best = []
     for n in (2, 4):
-        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=int(1.5 * GIB),
+        # 2 GiB: FSDP2 on 2 GPUs needs about 1.6 GiB since its side-stream
+        # pools are replayed apart (methods/_streams.py), so both sizes fit.
+        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=2 * GIB,
                  methods=["zero3", "fsdp"], global_batch=8)
         best.append(p.choice.tokens_per_s)
     assert best[1] >= best[0]
