@@ -117,18 +117,9 @@ def replay_stub(case_id: str, *, steps: int = 2) -> dict[str, Any]:
     mean the allocator simulation is right for this stream, and any
     difference between the stub and the estimate lies in the event stream.
     """
-    from stubcuda import runner
-
     from llmem_plugin.allocator import CachingAllocator
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "events.json")
-        proc = runner.run_python(["-m", _MODULE, "--stub-whole", case_id, "--steps", str(steps), "--out", out],
-                                 timeout_s=900)
-        if not os.path.exists(out):
-            raise RuntimeError(f"stub side failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
-        with open(out, encoding="utf-8") as f:
-            data = json.load(f)
+    data = _stub_events("--stub-whole", case_id, steps)
     alloc = CachingAllocator(None)
     handles: dict[int, int] = {}
     peak_alloc = peak_res = 0
@@ -149,11 +140,16 @@ def replay_stub(case_id: str, *, steps: int = 2) -> dict[str, Any]:
 
 def stub_stream(case_id: str, *, steps: int = 2) -> dict[str, Any]:
     """The stub's allocation events after the peak reset: ``(sign, block bytes, addr, frames)``."""
+    return _stub_events("--stub-side", case_id, steps)
+
+
+def _stub_events(flag: str, case_id: str, steps: int) -> dict[str, Any]:
+    """Run this module's stub side (``flag``) for ``case_id`` and load what it wrote."""
     from stubcuda import runner
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "events.json")
-        proc = runner.run_python(["-m", _MODULE, "--stub-side", case_id, "--steps", str(steps), "--out", out],
+        proc = runner.run_python(["-m", _MODULE, flag, case_id, "--steps", str(steps), "--out", out],
                                  timeout_s=900)
         if not os.path.exists(out):
             raise RuntimeError(f"stub side failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
