@@ -4,6 +4,7 @@
 # that would fit are printed), 2 for bad input. The job stops unless it fits.
 #
 #   MODEL=llama-3.1-8b GPUS=8 GPU=h100-sxm SEQ_LEN=4096 examples/pipeline_guard.sh
+#   PLAN=plan.json ... keeps the plan's JSON in plan.json
 set -uo pipefail
 
 MODEL=${MODEL:-llama-3.1-8b}
@@ -13,7 +14,12 @@ GPU=${GPU:-h100-sxm}
 GPU_MEMORY=${GPU_MEMORY:-}          # optional capacity override, e.g. 20GiB
 SEQ_LEN=${SEQ_LEN:-2048}
 GLOBAL_BATCH=${GLOBAL_BATCH:-64}
-PLAN=${PLAN:-llmem-plan.json}
+# Where the plan's JSON goes. Unset: a temporary file, removed on exit, so the
+# script leaves nothing behind in the directory it was started from.
+if [ -z "${PLAN:-}" ]; then
+    PLAN="$(mktemp "${TMPDIR:-/tmp}/llmem-plan.XXXXXX.json")"
+    trap 'rm -f "$PLAN"' EXIT
+fi
 
 llmem plan --model "$MODEL" --gpus "$GPUS" --nodes "$NODES" --gpu "$GPU" ${GPU_MEMORY:+--gpu-memory "$GPU_MEMORY"} \
     --seq-len "$SEQ_LEN" --global-batch "$GLOBAL_BATCH" --json > "$PLAN" || exit

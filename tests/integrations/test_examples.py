@@ -48,3 +48,18 @@ def test_pipeline_guard_runs_the_job_only_when_it_fits(tmp_path):
                          env={**env, "GPU": "no-such-gpu"})
     assert bad.returncode == 2 and "unknown GPU" in bad.stderr  # exit code of llmem plan passed on
     assert "method=" not in bad.stdout
+
+
+@pytest.mark.skipif(shutil.which("llmem") is None, reason="the llmem script is not installed (pip install -e .)")
+def test_pipeline_guard_leaves_no_file_behind_without_plan(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PLAN"}
+    env.update({"MODEL": "gpt2", "GPUS": "1", "GPU": "h100-sxm", "SEQ_LEN": "128", "GLOBAL_BATCH": "1",
+                "TMPDIR": str(tmp_path / "tmp")})
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "cwd").mkdir()
+    ok = subprocess.run(["bash", str(ROOT / "examples" / "pipeline_guard.sh")], capture_output=True, text=True,
+                        timeout=300, env=env, cwd=tmp_path / "cwd")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "method=" in ok.stdout
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert list((tmp_path / "tmp").glob("llmem-plan*")) == []  # the temporary plan is removed on exit
