@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs; the README's test command and
+# .ci/run both run `tests/setup.sh && python -m pytest -q`.
+#   - the project with its test extra (pyproject.toml: pytest, hypothesis, the
+#     adapters' frameworks, deepspeed, bitsandbytes, matplotlib);
+#   - ColossalAI 0.5.0 without its dependencies: it pins torch<=2.5.1 and
+#     transformers==4.51.3 (its setup.py/requirements), so a resolver would
+#     replace the installed torch. Importing its booster and plugins needs only
+#     galore_torch besides the test extra. BUILD_EXT=0 (its setup.py default):
+#     no kernel is compiled;
+#   - the stub CUDA device (stubcuda/setup.sh: a second venv with torch's CUDA
+#     build, installed --no-deps, and the C stand-ins).
+# Usage: tests/setup.sh [PYTHON]   (default: python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${1:-python}"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+"${PIP[@]}" -e ".[test]"
+BUILD_EXT=0 "${PIP[@]}" --no-deps "colossalai==0.5.0" "galore_torch==1.0"
+stubcuda/setup.sh "$PY"
