@@ -36,6 +36,13 @@ The layout rules (bitsandbytes/optim/optimizer.py and adamw.py, 0.50.2):
 parameters with fewer than ``min_8bit_size`` = 4096 elements keep two fp32
 states; larger ones under an 8-bit optimizer keep two uint8 states plus one
 fp32 ``absmax`` per block of 256 elements for each; ``step`` is a Python int.
+
+Without bitsandbytes installed, :class:`_LayoutOptimizer` allocates the same
+states in the same order from these rules alone (a memory model: it refuses
+to update real tensors), so an estimate or a planner suggestion with an
+8-bit or paged optimizer never needs the package. With bitsandbytes
+installed its own class is used, and tests/core/test_optim.py checks that
+both allocate the same events.
 """
 
 from __future__ import annotations
@@ -60,6 +67,12 @@ PAGED_MIN_NUMEL = 100_000
 # AdamW8bit / PagedAdamW8bit; Optimizer2State.init_state keeps fp32 states
 # for parameters with fewer elements.
 _MIN_8BIT_SIZE = 4096
+# bitsandbytes/optim/optimizer.py (0.50.2), Optimizer2State.init_state:
+# `blocksize = 256`, one fp32 absmax per block of each 8-bit state.
+_BLOCK_SIZE = 256
+# bitsandbytes/functional.py (0.50.2), create_dynamic_map: 256 fp32 entries
+# (one per uint8 code) in each quantization map.
+_QMAP_ENTRIES = 256
 # The bitsandbytes release whose internals (get_state_buffer, init_state,
 # update_step, name2qmap) the class below overrides; checked at build time.
 BNB_CHECKED_VERSION = "0.50.2"
@@ -161,6 +174,88 @@ class _CudaPlacement:
             super().update_step(group, p, gindex, pindex)
 
 
+class _LayoutOptimizer(torch.optim.Optimizer):
+    """bitsandbytes' AdamW8bit / PagedAdamW / PagedAdamW8bit state layout,
+    allocated without bitsandbytes (used when it is not installed).
+
+    ``step()`` creates each parameter's states at its first step exactly as
+    ``Optimizer2State.init_state`` followed by :class:`_CudaPlacement` does
+    (bitsandbytes/optim/optimizer.py, 0.50.2): for the first 8-bit parameter
+    the device copies of the two quantization maps (signed, then unsigned);
+    then ``state1``, ``state2`` (uint8 for an 8-bit optimizer and a
+    parameter of at least ``min_8bit_size`` elements, else fp32; paged ones
+    untracked and counted in ``paged_bytes``), then ``absmax1``, ``absmax2``
+    (fp32, one per block of 256 elements) for 8-bit states. The update itself
+    allocates nothing on CUDA (see the module docstring), so on fake tensors
+    only the step counter moves; real tensors are refused, since this class
+    cannot train.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, name: str, lr: float) -> None:
+        # bitsandbytes/optim/adamw.py (0.50.2) defaults; memory does not depend on them.
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2})
+        self.name = name
+        self.eight_bit = name.endswith("8bit")
+        self.is_paged = name.startswith("Paged")
+        self.paged_bytes = 0
+        self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.is_paged and p.numel() >= PAGED_MIN_NUMEL:
+            with _pause.untracked():  # cudaMallocManaged, outside the caching allocator
+                buf = torch.zeros_like(p, dtype=dtype)
+            self.paged_bytes += buf.numel() * buf.element_size()
+            return buf
+        return torch.zeros_like(p, dtype=dtype)
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        eight_bit = self.eight_bit and p.numel() >= _MIN_8BIT_SIZE
+        if eight_bit and self._qmaps is None:
+            self._qmaps = (torch.empty(_QMAP_ENTRIES, dtype=torch.float32),
+                           torch.empty(_QMAP_ENTRIES, dtype=torch.float32))
+        state["step"] = 0
+        dtype = torch.uint8 if eight_bit else torch.float32
+        state["state1"] = self._buffer(p, dtype)
+        if eight_bit:
+            state["qmap1"] = self._qmaps[0]
+        state["state2"] = self._buffer(p, dtype)
+        if eight_bit:
+            state["qmap2"] = self._qmaps[1]
+            blocks = -(-p.numel() // _BLOCK_SIZE)
+            state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32)
+            state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch.optim.Optimizer's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not is_fake(p):
+                    raise ImportError(
+                        f"training with --optimizer {self.name} needs bitsandbytes (without it only its memory is "
+                        "modelled, on fake tensors). HINT: pip install bitsandbytes"
+                    )
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+        return loss
+
+
+def _bitsandbytes_optim():
+    """``bitsandbytes.optim``, or None when bitsandbytes cannot be imported."""
+    try:
+        import bitsandbytes.optim as bnb_optim
+    except ImportError:
+        return None
+    return bnb_optim
+
+
 @functools.cache
 def _emulating_class(name: str) -> type:
     try:
@@ -192,18 +287,21 @@ def make_bnb_optimizer(params: Iterable[torch.nn.Parameter], kind: OptimizerKind
 
     Returns:
         An instance of bitsandbytes' class with bitsandbytes' defaults
-        (betas, eps, weight decay 1e-2, ``min_8bit_size`` 4096); after its
-        first ``step()`` its ``paged_bytes`` holds the managed bytes.
+        (betas, eps, weight decay 1e-2, ``min_8bit_size`` 4096); without
+        bitsandbytes, a :class:`_LayoutOptimizer` that allocates the same
+        states (fake tensors only). After its first ``step()`` its
+        ``paged_bytes`` holds the managed bytes.
 
     Raises:
         ConfigError: ``kind`` is not a bitsandbytes optimizer.
-        ImportError: bitsandbytes is not installed.
     """
     if kind not in _BASES:
         raise ConfigError(
             f"optimizer '{kind.value}' is not a bitsandbytes optimizer. "
             f"HINT: pass --optimizer with one of {', '.join(k.value for k in _BASES)}"
         )
+    if _bitsandbytes_optim() is None:
+        return _LayoutOptimizer(list(params), name=_BASES[kind], lr=lr)
     cls = _emulating_class(_BASES[kind])
     return cls(list(params), lr=lr)
 

@@ -38,7 +38,13 @@ from llmem_plugin.workload import OptimizerKind, Workload
 from ..conftest import tiny_config
 from .test_fake_equals_real import fake_and_real
 
-bnb = pytest.importorskip("bitsandbytes")
+try:
+    import bitsandbytes as bnb
+except ImportError:
+    bnb = None
+# Only the tests that run bitsandbytes' own class need it; the layout tests run
+# the estimator's stand-in when it is absent (llmem_plugin.optim._LayoutOptimizer).
+needs_bnb = pytest.mark.skipif(bnb is None, reason="needs bitsandbytes (pip install bitsandbytes)")
 
 BNB_KINDS = ["adamw8bit", "paged-adamw", "paged-adamw8bit"]
 # vocab 2048 x hidden 64 = 131072 elements: the embedding and lm_head are
@@ -118,6 +124,8 @@ def test_paged_states_count_in_device_total_but_not_in_the_allocator(kind):
     ("paged-adamw8bit", "bf16-mixed"),
 ])
 def test_fake_trace_equals_real_cpu_run(kind, precision):
+    if kind != "adamw-forloop" and bnb is None:
+        pytest.skip("the real CPU run of a bitsandbytes optimizer needs bitsandbytes (pip install bitsandbytes)")
     wl = Workload(seq_len=32, precision=precision, optimizer=kind)
     fake, real = fake_and_real(tiny_config("llama", **CFG), wl)
     assert fake.peak_bytes == real.peak_bytes
@@ -125,6 +133,7 @@ def test_fake_trace_equals_real_cpu_run(kind, precision):
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
 
 
+@needs_bnb
 @pytest.mark.parametrize("kind", BNB_KINDS)
 def test_emulation_trains_exactly_as_bitsandbytes_on_cpu(kind):
     torch.manual_seed(0)
@@ -212,3 +221,67 @@ def test_cli_estimate_with_a_paged_8bit_optimizer(capsys):
     assert data["paged_bytes"] == sum(2 * p.numel() for p in params if p.numel() >= 100_000) > 200 * 2**20
     outside = data["device_total_bytes"] - data["peak_reserved_bytes"] - data["paged_bytes"]
     assert outside == data["overheads"]["cuda_context_bytes"]
+
+
+# ----------------------------------------------------------------------------- without bitsandbytes
+
+
+@pytest.fixture
+def no_bitsandbytes(monkeypatch):
+    """Make every ``import bitsandbytes...`` fail, as on a machine without it."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError):
+        import bitsandbytes  # noqa: F401
+    yield
+
+
+def _events(kind: str):
+    wl = Workload(seq_len=16, precision="fp32", optimizer=kind)
+    model = modelbuild.build_model(tiny_config("llama", **CFG), wl)
+    result = _trace(model, wl)
+    return [(e[1], e[2]) for e in result.events], result
+
+
+@pytest.mark.parametrize("kind", BNB_KINDS)
+def test_without_bitsandbytes_the_states_are_allocated_as_bitsandbytes_allocates_them(kind, request):
+    """The stand-in allocates bitsandbytes' states event for event (bitsandbytes
+    0.50.2 optim/optimizer.py, Optimizer2State.init_state: state1, state2,
+    then absmax1/absmax2 of ceil(n / 256) fp32 for 8-bit states, qmaps copied
+    once), and the same managed bytes."""
+    with_bnb = _events(kind)[0] if bnb is not None else None
+    request.getfixturevalue("no_bitsandbytes")
+    from llmem_plugin.optim import _LayoutOptimizer
+
+    params = trainable(modelbuild.build_model(tiny_config("llama", **CFG), Workload(optimizer=kind)))
+    assert isinstance(make_bnb_optimizer(params, OptimizerKind(kind), lr=1e-3), _LayoutOptimizer)
+    events, result = _events(kind)
+    wl = Workload(seq_len=16, precision="fp32", optimizer=kind)
+    device, managed = bnb_layout(trainable(modelbuild.build_model(tiny_config("llama", **CFG), wl)), kind)
+    assert result.phase_breakdowns[Phase.OPTIMIZER][C.OPTIMIZER_STATE] == device
+    if with_bnb is not None:
+        assert events == with_bnb
+    est = estimate(tiny_config("llama", **CFG), seq_len=16, precision="fp32", optimizer=kind)
+    assert est.paged_bytes == managed
+
+
+def test_without_bitsandbytes_a_real_step_is_refused_with_the_package_to_install(no_bitsandbytes):
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    p.grad = torch.randn_like(p)
+    opt = make_bnb_optimizer([p], OptimizerKind.ADAMW_8BIT, lr=1e-3)
+    with pytest.raises(ImportError, match="needs bitsandbytes .*HINT: pip install bitsandbytes"):
+        opt.step()
+
+
+def test_without_bitsandbytes_gpt2_is_estimated_with_an_8bit_optimizer(no_bitsandbytes):
+    est = estimate("gpt2", optimizer="adamw8bit", fast=True)
+    params = trainable(modelbuild.build_model("gpt2", Workload(optimizer="adamw8bit"), device="meta"))
+    # every gpt2 matrix is above min_8bit_size: uint8 state1 + state2 and ceil(n / 256) fp32 absmax each
+    big = [p for p in params if p.numel() >= 4096]
+    states = sum(2 * round_allocation(p.numel()) + 2 * round_allocation(4 * math.ceil(p.numel() / 256)) for p in big)
+    states += sum(2 * round_allocation(4 * p.numel()) for p in params if p.numel() < 4096)
+    states += 2 * round_allocation(4 * 256)
+    assert est.breakdown[C.OPTIMIZER_STATE] == states
