@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +12,8 @@ from torch import nn
 
 from llmem_plugin import modelbuild
 from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, replay
-from llmem_plugin.errors import ConfigError, tracing
-from llmem_plugin.gpus import GPU, get_gpu
+from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
+from llmem_plugin.gpus import GPU, get_gpu, parse_memory
 from llmem_plugin.overheads import (
     DeviceOverheads,
     device_overheads,
@@ -25,6 +27,7 @@ __all__ = [
     "DEFAULT_GPU",
     "Estimate",
     "allocator_events",
+    "capacity_bytes",
     "estimate",
     "simulate_trace",
     "uses_cublaslt",
@@ -39,6 +42,7 @@ DEFAULT_GPU = "h100-sxm"
 # benchmarks/results/speed-2026-11-22.json; within this fraction of the
 # capacity, the fits verdict is left to a full trace.
 FAST_VERDICT_BAND = 0.03
+_GIB = 2**30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +122,51 @@ class Estimate:
     # pinned memory, optimizer step counters); never on the device.
     host_peak_bytes: int = 0
 
+    # GiB (2**30 bytes) views of the byte fields, for reading in a session.
+    @property
+    def peak_allocated_gib(self) -> float:
+        return self.peak_allocated_bytes / _GIB
+
+    @property
+    def peak_reserved_gib(self) -> float:
+        return self.peak_reserved_bytes / _GIB
+
+    @property
+    def device_total_gib(self) -> float:
+        return self.device_total_bytes / _GIB
+
+    @property
+    def peak_tensor_gib(self) -> float:
+        return self.peak_tensor_bytes / _GIB
+
+    @property
+    def capacity_gib(self) -> float:
+        return self.capacity_bytes / _GIB
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity less the device total (negative when it does not fit)."""
+        return self.capacity_bytes - self.device_total_bytes
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.headroom_bytes / _GIB
+
+    def __repr__(self) -> str:
+        return (f"Estimate(model={self.model!r}, gpu={self.gpu!r}, peak_allocated={self.peak_allocated_gib:.2f} GiB, "
+                f"peak_reserved={self.peak_reserved_gib:.2f} GiB, device_total={self.device_total_gib:.2f} GiB "
+                f"of {self.capacity_gib:.2f} GiB, fits={self.fits})")
+
+    def __str__(self) -> str:
+        """The summary tables ``llmem estimate`` prints (:func:`llmem_plugin.report.render_estimate`), as text."""
+        from rich.console import Console
+
+        from llmem_plugin.report import render_estimate
+
+        buf = io.StringIO()
+        render_estimate(self, Console(file=buf, width=100, color_system=None, force_terminal=False))
+        return buf.getvalue().rstrip("\n")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -149,11 +198,17 @@ class Estimate:
         }
 
 
-def _workload_from(workload: Workload | None, kwargs: dict[str, Any]) -> Workload:
+def _workload_from(workload: Workload | dict | None, kwargs: dict[str, Any]) -> Workload:
     if workload is not None:
         if kwargs:
             raise ConfigError(f"pass either workload= or workload fields, not both (got {sorted(kwargs)})")
-        return workload
+        if isinstance(workload, Workload):
+            return workload
+        if not isinstance(workload, dict):
+            raise ConfigError(
+                f"workload must be a llmem_plugin.Workload or a dict of its fields, got {type(workload).__name__} "
+                f"{workload!r:.60}. HINT: estimate(model, seq_len=2048, batch_size=1, precision='bf16-mixed')")
+        kwargs = dict(workload)
     if "batch_size" in kwargs:
         kwargs["micro_batch_size"] = kwargs.pop("batch_size")
     lora_rank = kwargs.pop("lora_rank", None)
@@ -270,15 +325,74 @@ def allocator_events(trace: TraceResult, overheads: DeviceOverheads) -> tuple[li
     return out, phases
 
 
-def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | None) -> GPU:
+# A capacity given as a bare number below this is refused: no GPU has less
+# than 1 MiB, and ``gpu_memory=80`` almost surely means 80 GiB, not 80 bytes.
+_MIN_CAPACITY_BYTES = 2**20
+
+
+def capacity_bytes(gpu_memory: int | str | None) -> int | None:
+    """A ``gpu_memory`` override as bytes.
+
+    Args:
+        gpu_memory: Bytes (an int of at least 1 MiB), a size with its unit
+            (``"80GiB"``, ``"40GB"``, ``"81920MiB"``; a bare number in a
+            string is GiB, as :func:`llmem_plugin.gpus.parse_memory` reads
+            it), or None.
+
+    Raises:
+        ConfigError: Another type, a size that does not parse, or an int
+            below 1 MiB (almost surely meant in GiB).
+    """
+    if gpu_memory is None:
+        return None
+    if isinstance(gpu_memory, str):
+        return parse_memory(gpu_memory)
+    if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, int):
+        raise ConfigError(f"gpu_memory must be bytes (an int) or a size string, got {type(gpu_memory).__name__} "
+                          f"{gpu_memory!r}. HINT: gpu_memory='80GiB' or 80 * 2**30")
+    if gpu_memory <= 0:
+        raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. HINT: gpu_memory='80GiB'")
+    if gpu_memory < _MIN_CAPACITY_BYTES:
+        raise ConfigError(f"gpu_memory={gpu_memory} is read as {gpu_memory} bytes, below 1 MiB; a bare number is bytes. "
+                          f"HINT: pass gpu_memory='{gpu_memory}GiB' (or {gpu_memory} * 2**30)")
+    return gpu_memory
+
+
+def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | str | None) -> GPU:
     import dataclasses
 
+    if gpu is not None and not isinstance(gpu, (GPU, str)):
+        raise ConfigError(f"gpu must be a catalog name or a llmem_plugin.GPU, got {type(gpu).__name__} {gpu!r:.60}. "
+                          "HINT: gpu='h100-sxm' (any name `llmem gpus` lists); the capacity goes in gpu_memory=")
     g = get_gpu(DEFAULT_GPU if gpu is None else gpu) if not isinstance(gpu, GPU) else gpu
-    if gpu_memory is not None:
-        if gpu_memory <= 0:
-            raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. HINT: e.g. 80 * 2**30")
-        g = dataclasses.replace(g, memory_bytes=gpu_memory, driver_memory_bytes=None)
+    memory = capacity_bytes(gpu_memory)
+    if memory is not None:
+        g = dataclasses.replace(g, memory_bytes=memory, driver_memory_bytes=None)
     return g
+
+
+def _check_source(model: Any) -> None:
+    """Refuse, in one line, a model source the step cannot be traced for:
+    a module that is not a causal LM, or a path that does not exist."""
+    if isinstance(model, nn.Module):
+        # trace_step runs model(input_ids=..., labels=...) and reads the loss
+        # it returns; get_input_embeddings() gives the vocabulary to draw from.
+        if not callable(getattr(model, "get_input_embeddings", None)):
+            raise UnsupportedError(
+                f"{type(model).__name__} is not a causal language model: the traced step calls "
+                "model(input_ids=..., labels=...) for its loss and reads the vocabulary from get_input_embeddings(); "
+                "no other step or input spec is modelled. HINT: pass a transformers causal LM "
+                "(AutoModelForCausalLM), a peft model of one, or its config")
+        return
+    if not isinstance(model, (str, os.PathLike)):
+        return
+    text = os.fspath(model)
+    from llmem_plugin import catalog
+
+    looks_like_path = text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1 or "\\" in text
+    if looks_like_path and catalog.lookup(text) is None and not os.path.exists(os.path.expanduser(text)):
+        raise ConfigError(f"model path {text!r} does not exist. HINT: pass an existing config.json (or its folder), "
+                          "or a catalog name from `llmem models`")
 
 
 def simulate_trace(
@@ -354,7 +468,7 @@ def estimate(
     *,
     fast: bool = False,
     gpu: GPU | str | None = None,
-    gpu_memory: int | None = None,
+    gpu_memory: int | str | None = None,
     alloc_conf: AllocatorConfig | str | None = None,
     torch_version: str | None = None,
     **workload_fields: Any,
@@ -365,8 +479,10 @@ def estimate(
         model: Catalog name, config.json path, cached Hub id,
             ``PretrainedConfig`` or ``nn.Module`` (real or meta; its storage
             is never read).
-        workload: The workload; or give its fields as keywords instead
-            (``seq_len=2048, batch_size=1, precision="bf16-mixed", ...``).
+        workload: The workload (or a dict of its fields); or give its
+            fields as keywords instead (``seq_len=2048, batch_size=1,
+            precision="bf16-mixed", lora={"rank": 16}, ...``). Lightning's
+            precision names are accepted (``"bf16-true"`` is ``"bf16"``).
         fast: Trace two shortened models and extrapolate per layer to the full
             depth (config sources only; modules are traced in full). The
             allocator's peaks are then extrapolated the same way, and ``fits``
@@ -375,7 +491,8 @@ def estimate(
             (``Estimate.fast`` is then False).
         gpu: Catalog GPU (name or :class:`GPU`); default H100 SXM. Sets the
             kernel choices emulated, the workspace sizes and the capacity.
-        gpu_memory: Capacity in bytes, overriding the catalog's.
+        gpu_memory: Capacity overriding the catalog's: bytes (an int of at
+            least 1 MiB) or a size with its unit (``"80GiB"``, ``"40GB"``).
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` (string or parsed); the
             environment's if None.
         torch_version: Torch the job will run, for version-dependent overheads;
@@ -385,10 +502,14 @@ def estimate(
         The :class:`Estimate`.
 
     Raises:
-        ConfigError: Bad model source, workload, GPU or allocator option.
+        ConfigError: Bad model source (e.g. a path that does not exist),
+            workload, GPU or allocator option.
+        UnsupportedError: A module that is not a causal LM, or a setting not
+            modelled.
         TraceError: The model's step cannot run under fake tensors.
     """
     t0 = time.perf_counter()
+    _check_source(model)
     wl = _workload_from(workload, dict(workload_fields))
     from llmem_plugin.techniques import check_supported
 
@@ -411,12 +532,16 @@ def estimate(
 
     timeline: list[tuple[int, Phase, int]] = []
     memory_timeline: list[tuple[int, str, int, int]] = []
+    fast_notes: tuple[str, ...] = ()
     if fast and not isinstance(model, nn.Module):
         from llmem_plugin.fast import extrapolated_trace
 
         ext = extrapolated_trace(model, wl, depth=depth, trace=trace)
         result = ext.result
-        if ext.short is None:  # shallow enough to have been traced in full
+        fast_notes = (ext.note,) if ext.note else ()
+        if result is None:  # layer kinds unknown: the full trace below
+            fast = False
+        elif ext.short is None:  # shallow enough to have been traced in full
             sim, fits = simulate_trace(result, config, overheads, capacity)
         else:
             sim = _extrapolated_simulation(ext, config, overheads)
@@ -456,7 +581,7 @@ def estimate(
         memory_timeline=memory_timeline,
         paged_bytes=paged,
         host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes,
-        notes=_notes(model_config, wl),
+        notes=_notes(model_config, wl) + fast_notes,
     )
 
 

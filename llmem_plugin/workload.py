@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -11,6 +12,7 @@ import torch
 from llmem_plugin.errors import ConfigError
 
 __all__ = [
+    "MAX_GRAD_ACCUM_STEPS",
     "ActivationOffload",
     "AttentionImpl",
     "LoraSpec",
@@ -20,6 +22,7 @@ __all__ = [
     "Quantization",
     "Runner",
     "Workload",
+    "parse_precision",
 ]
 
 
@@ -39,7 +42,14 @@ def _choice(enum_cls: type[Enum], value: object, what: str, flag: str) -> Enum:
 
 
 class Precision(str, Enum):
-    """Numeric precision of the training step."""
+    """Numeric precision of the training step.
+
+    Lightning's precision strings are accepted as Lightning defines them
+    (``_PRECISION_INPUT`` in lightning/fabric/plugins/precision/precision.py
+    and the alias table ``_PRECISION_INPUT_STR_ALIAS_CONVERSION`` applied by
+    ``_convert_precision_to_unified_args`` in lightning/fabric/connector.py,
+    2.6): see :func:`parse_precision`.
+    """
 
     FP32 = "fp32"
     BF16_MIXED = "bf16-mixed"  # fp32 weights, torch.autocast(bfloat16)
@@ -53,6 +63,59 @@ class Precision(str, Enum):
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return {Precision.BF16_MIXED: torch.bfloat16, Precision.FP16_MIXED: torch.float16}.get(self)
+
+
+# Lightning's precision inputs (lightning/fabric/plugins/precision/precision.py,
+# 2.6) -> this project's. "bf16-true" and "16-true" are HalfPrecision: the
+# module is cast to the half dtype (plugins/precision/half.py), so "bf16-true"
+# is pure bf16 weights, gradients and states. The legacy aliases are resolved
+# as connector.py's _PRECISION_INPUT_STR_ALIAS_CONVERSION does: 16 -> "16-mixed",
+# 32 -> "32-true", 64 -> "64-true"; Lightning's legacy "bf16" alias (its
+# "bf16-mixed") is not taken, as "bf16" is this project's pure-bf16 name.
+_LIGHTNING_PRECISION = {
+    "bf16-true": "bf16",
+    "bf16-mixed": "bf16-mixed",
+    "16-mixed": "fp16-mixed",
+    "16": "fp16-mixed",
+    "32-true": "fp32",
+    "32": "fp32",
+}
+# Lightning precisions with no counterpart here, and why.
+_LIGHTNING_UNMODELLED = {
+    "16-true": "pure float16 weights (HalfPrecision(float16)); fp16 training needs fp32 master weights",
+    "64-true": "float64 weights (DoublePrecision)",
+    "64": "float64 weights (DoublePrecision)",
+    "transformer-engine": "NVIDIA Transformer Engine's FP8 layers (TransformerEnginePrecision)",
+    "transformer-engine-float16": "NVIDIA Transformer Engine's FP8 layers (TransformerEnginePrecision)",
+}
+
+
+def parse_precision(value: object) -> Precision:
+    """A :class:`Precision` from this project's names or Lightning's.
+
+    Args:
+        value: A :class:`Precision`, one of its values (``"fp32"``,
+            ``"bf16-mixed"``, ``"fp16-mixed"``, ``"bf16"``), or a Lightning
+            precision (``"bf16-true"``, ``"bf16-mixed"``, ``"16-mixed"``,
+            ``"32-true"``, or the legacy ``16`` / ``32``).
+
+    Raises:
+        ConfigError: Unknown name.
+        UnsupportedError: A Lightning precision that is not modelled
+            (``"16-true"``, ``"64-true"``, ``"transformer-engine"``...).
+    """
+    if isinstance(value, Precision):
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"precision must be a name, got {value!r}. HINT: pass precision='bf16-mixed'")
+    key = str(value).strip().lower()
+    if key in _LIGHTNING_UNMODELLED:
+        from llmem_plugin.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"precision {value!r} ({_LIGHTNING_UNMODELLED[key]}) is not modelled. HINT: pass one of "
+            f"{', '.join(p.value for p in Precision)} (or Lightning's bf16-true, bf16-mixed, 16-mixed, 32-true)")
+    return _choice(Precision, _LIGHTNING_PRECISION.get(key, value), "precision", "--precision")
 
 
 class OptimizerKind(str, Enum):
@@ -139,6 +202,10 @@ class Runner(str, Enum):
     LIGHTNING = "lightning"
 
 
+# peft's LoraConfig field names -> LoraSpec's.
+_LORA_KEYS = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "targets": "target_modules"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoraSpec:
     """peft LoRA settings.
@@ -156,17 +223,72 @@ class LoraSpec:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank <= 0:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}. HINT: e.g. --lora-rank 16")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules:
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or not math.isfinite(self.alpha) or self.alpha <= 0):
+            raise ConfigError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}. "
+                              "HINT: e.g. --lora-alpha 32, or leave it out for 2 x rank")
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                or not 0.0 <= self.dropout < 1.0):
+            raise ConfigError(f"LoRA dropout must be a number in [0, 1), got {self.dropout!r}. HINT: e.g. 0.05")
+        targets = self.target_modules
+        if isinstance(targets, str):  # "q_proj,v_proj", as the CLI and peft's single-name form take it
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        if not isinstance(targets, (list, tuple, set, frozenset)) or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"LoRA target modules must be module names, got {self.target_modules!r}. "
+                              "HINT: e.g. target_modules=('q_proj', 'v_proj')")
+        if not targets:
             raise ConfigError("LoRA target modules are empty. HINT: e.g. --lora-targets q_proj,v_proj")
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        object.__setattr__(self, "target_modules", tuple(sorted(targets) if isinstance(targets, (set, frozenset))
+                                                         else targets))
+
+    @classmethod
+    def coerce(cls, value: object) -> LoraSpec | None:
+        """A :class:`LoraSpec` from a spec, a dict, or a peft ``LoraConfig``.
+
+        A dict takes this class's field names or peft's (``r``, ``lora_alpha``,
+        ``lora_dropout``, ``target_modules``); a ``LoraConfig`` maps the same
+        four fields.
+
+        Raises:
+            ConfigError: Another type, or a dict with keys that are neither.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            fields = {_LORA_KEYS.get(k, k): v for k, v in value.items()}
+            unknown = sorted(set(fields) - {"rank", "alpha", "target_modules", "dropout"}, key=str)
+            if unknown:
+                raise ConfigError(f"lora keys {unknown} not understood; valid: rank (r), alpha (lora_alpha), "
+                                  "target_modules, dropout (lora_dropout). HINT: e.g. lora={'rank': 16}")
+            if len(fields) != len(value):
+                raise ConfigError(f"lora {value!r} gives a field twice (under its name and peft's). "
+                                  "HINT: keep one of rank/r, alpha/lora_alpha, dropout/lora_dropout")
+            return cls(**fields)
+        if type(value).__name__ == "LoraConfig" and hasattr(value, "r"):  # peft.LoraConfig
+            targets = value.target_modules
+            # peft fills None from its per-architecture table and reads a
+            # string other than "all-linear" as a regular expression
+            # (peft/tuners/tuners_utils.py check_target_module_exists).
+            if targets is None or (isinstance(targets, str) and targets != "all-linear"):
+                raise ConfigError(f"LoraConfig target_modules={targets!r} is resolved by peft per model; not "
+                                  "modelled here. HINT: give the module names, e.g. target_modules=['q_proj', 'v_proj']")
+            return cls(rank=value.r, alpha=value.lora_alpha, dropout=value.lora_dropout,
+                       target_modules=(targets,) if isinstance(targets, str) else targets)
+        raise ConfigError(f"lora must be a LoraSpec, a dict or a peft LoraConfig, got {type(value).__name__}. "
+                          "HINT: lora=llmem_plugin.LoraSpec(rank=16), or lora_rank=16")
 
     @property
     def lora_alpha(self) -> float:
         return float(2 * self.rank if self.alpha is None else self.alpha)
+
+
+# The step divides each micro-batch's loss by grad_accum_steps, a Python int
+# that torch takes as a c10::Scalar, whose integer is int64_t
+# (c10/core/Scalar.h); a larger value fails inside torch. The traced step
+# itself does not grow with it (llmem_plugin.step.traced_micro_steps).
+MAX_GRAD_ACCUM_STEPS = 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,7 +343,12 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}. HINT: pass {flag} N with N >= 1")
-        object.__setattr__(self, "precision", _choice(Precision, self.precision, "precision", "--precision"))
+        if self.grad_accum_steps > MAX_GRAD_ACCUM_STEPS:
+            raise ConfigError(
+                f"grad_accum_steps {self.grad_accum_steps} exceeds {MAX_GRAD_ACCUM_STEPS:,}: the loss is divided "
+                "by it as a 64-bit integer scalar. HINT: pass --grad-accum N with N <= 2**63 - 1")
+        object.__setattr__(self, "lora", LoraSpec.coerce(self.lora))
+        object.__setattr__(self, "precision", parse_precision(self.precision))
         object.__setattr__(self, "optimizer", _choice(OptimizerKind, self.optimizer, "optimizer", "--optimizer"))
         object.__setattr__(
             self, "attn_implementation", _choice(AttentionImpl, self.attn_implementation, "attention", "--attn")

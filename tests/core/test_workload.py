@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 
 from llmem_plugin.cli import EXIT_BAD_INPUT, main
-from llmem_plugin.errors import ConfigError
+from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.workload import (
+    MAX_GRAD_ACCUM_STEPS,
     ActivationOffload,
     LoraSpec,
     LossImpl,
     OptimizerKind,
+    Precision,
     Quantization,
     Runner,
     Workload,
+    parse_precision,
 )
 
 LORA = LoraSpec(rank=8)
@@ -69,9 +72,10 @@ def test_cli_flags_reach_the_workload(monkeypatch):
         seen["wl"] = workload
         raise ConfigError("stop here")
 
-    import sys
+    import importlib
 
-    monkeypatch.setattr(sys.modules["llmem_plugin.estimate"], "estimate", fake_estimate)
+    # The module, not the package's re-exported function of the same name.
+    monkeypatch.setattr(importlib.import_module("llmem_plugin.estimate"), "estimate", fake_estimate)
     code = cli.main(["estimate", "--model", "gpt2", "--quantize", "nf4", "--double-quant", "--lora-rank", "4",
                      "--loss", "chunked", "--loss-chunks", "4", "--logits-to-keep", "8", "--offload-activations",
                      "--reference-model", "--optimizer", "paged-adamw"])
@@ -89,3 +93,75 @@ def test_cli_bad_technique_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT
     assert err.count("\n") == 1 and "HINT: add --lora-rank 16" in err and "Traceback" not in err
+
+
+# Lightning's own table (lightning/fabric/plugins/precision/precision.py,
+# _PRECISION_INPUT; aliases via connector.py _convert_precision_to_unified_args).
+@pytest.mark.parametrize("given, expected", [
+    ("bf16-true", Precision.BF16),  # HalfPrecision(bfloat16): the module is cast to bf16
+    ("bf16-mixed", Precision.BF16_MIXED),
+    ("16-mixed", Precision.FP16_MIXED),
+    ("32-true", Precision.FP32),
+    (16, Precision.FP16_MIXED),  # legacy alias "16" -> "16-mixed"
+    (32, Precision.FP32),
+    ("bf16", Precision.BF16),  # this project's name, not Lightning's legacy alias
+])
+def test_lightning_precisions_map_as_lightning_defines_them(given, expected):
+    assert Workload(precision=given).precision is expected
+    assert parse_precision(given) is expected
+
+
+def test_lightning_table_is_covered():
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_INT, _PRECISION_INPUT_STR
+
+    for value in (*get_args(_PRECISION_INPUT_STR), *get_args(_PRECISION_INPUT_INT)):
+        try:
+            parse_precision(value)
+        except UnsupportedError as e:
+            assert "is not modelled" in str(e) and "HINT" in str(e)
+
+
+@pytest.mark.parametrize("given", ["16-true", "64-true", "transformer-engine", 64])
+def test_unmodelled_lightning_precisions_are_refused(given):
+    with pytest.raises(UnsupportedError, match="is not modelled. HINT"):
+        Workload(precision=given)
+
+
+def test_lora_dict_and_peft_config_map_onto_the_spec():
+    import peft
+
+    spec = LoraSpec(rank=8, alpha=16, target_modules=("q_proj",), dropout=0.1)
+    assert Workload(lora={"rank": 8, "alpha": 16, "target_modules": ["q_proj"], "dropout": 0.1}).lora == spec
+    assert Workload(lora={"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "lora_dropout": 0.1}).lora == spec
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.1)
+    assert Workload(lora=cfg).lora == spec
+    # A comma-separated string is a list of names, not of characters.
+    assert LoraSpec(target_modules="q_proj, v_proj").target_modules == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize("lora, message", [
+    ({"rank": 8, "bias": "none"}, r"lora keys \['bias'\] not understood"),
+    ({"r": 8, "rank": 8}, "gives a field twice"),
+    ("q_proj", "lora must be a LoraSpec, a dict or a peft LoraConfig, got str"),
+    ({"rank": 8, "alpha": float("nan")}, "LoRA alpha must be a finite number > 0"),
+    ({"rank": 8, "alpha": float("inf")}, "LoRA alpha must be a finite number > 0"),
+    ({"rank": 8, "target_modules": [1, 2]}, "LoRA target modules must be module names"),
+])
+def test_bad_lora_is_one_config_error(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        Workload(lora=lora)
+
+
+def test_peft_config_resolved_per_model_is_refused():
+    import peft
+
+    with pytest.raises(ConfigError, match="resolved by peft per model"):
+        Workload(lora=peft.LoraConfig(r=8))  # target_modules=None: peft's per-architecture table
+
+
+def test_grad_accum_is_bounded_by_the_int64_scalar():
+    assert Workload(grad_accum_steps=MAX_GRAD_ACCUM_STEPS).grad_accum_steps == 2**63 - 1
+    with pytest.raises(ConfigError, match="exceeds 9,223,372,036,854,775,807"):
+        Workload(grad_accum_steps=99999999999999999999)
