@@ -310,3 +310,35 @@ def resolve_gpu(name: str | None, memory: str | None, *, default: str = _DEFAULT
     if memory is not None:
         gpu = dataclasses.replace(gpu, memory_bytes=parse_memory(memory), driver_memory_bytes=None)
     return gpu
+
+
+# ----------------------------------------------------------------- host RAM defaults
+@functools.cache
+def _host_memory_catalog() -> dict[str, dict[str, Any]]:
+    path = resources.files("llmem_plugin.catalog").joinpath("gpus.json")
+    return json.loads(path.read_text(encoding="utf-8"))["host_memory"]["gpus"]
+
+
+def host_memory_default(name: str, gpus_per_node: int) -> tuple[int, str]:
+    """Host RAM of a node of ``gpus_per_node`` catalog GPUs when none is given:
+    the cloud instance ``catalog/gpus.json`` lists for that GPU count (rule in
+    its ``host_memory.units``).
+
+    Args:
+        name: Catalog GPU name (or any spelling :func:`get_gpu` takes).
+        gpus_per_node: GPUs on the node, at least 1.
+
+    Returns:
+        (bytes, where the figure comes from: the instance and its provider page).
+    """
+    key = get_gpu(name).name
+    entry = _host_memory_catalog()[key]
+    n = max(int(gpus_per_node), 1)
+    rows = sorted(entry["instances"], key=lambda r: r[0])
+    fit = next((r for r in rows if r[0] >= n), rows[-1])
+    gpus, nbytes, instance = fit
+    if gpus == n:
+        return nbytes, f"{instance}, catalog default for {n} x {key} ({entry['host_memory_source']})"
+    share = nbytes * n // gpus
+    return share, (f"{n}/{gpus} of {instance}'s {nbytes / 2**30:g} GiB, catalog default for {n} x {key} "
+                   f"({entry['host_memory_source']})")

@@ -164,6 +164,7 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
         fits=reserved + outside <= capacity_bytes,
         breakdown=dict(phase_bd[peak_phase]) if peak_phase else _per_phase(w1.breakdown, w2.breakdown, scale),
         host_bytes=_affine(w1.host_bytes, w2.host_bytes, scale),
+        host_overheads=_per_phase(w1.host_overheads, w2.host_overheads, scale),
         phase_allocated=_per_phase(w1.phase_allocated, w2.phase_allocated, scale),
         phase_breakdowns=phase_bd,
     )

@@ -13,7 +13,7 @@ from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import DeviceOverheads
 from llmem_plugin.tracker import TraceResult
 
-__all__ = ["MethodEstimate", "ModelStateBytes", "RankMemory", "rank_memory"]
+__all__ = ["MethodEstimate", "ModelStateBytes", "RankMemory", "host_overheads", "rank_memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,13 @@ class RankMemory:
         fits: Whether the rank runs within the GPU's capacity.
         breakdown: Tensor bytes per category at the tensor peak (category
             values as keys; methods may add their own, e.g. "buckets").
-        host_bytes: Host RAM this rank needs (offloaded states, pinned copies).
+        host_bytes: Host RAM of the method's copies on this rank (offloaded
+            states, pinned buffers, offloaded activations), at their sizes.
+        host_overheads: Host RAM this rank's process needs besides:
+            "process" (framework RSS and the CUDA context's host side,
+            :func:`llmem_plugin.host.process_baseline_bytes`) and
+            "pinned_rounding" (the caching host allocator's power-of-two
+            rounding of pinned buffers).
         phase_allocated: Allocator's allocated peak within each training
             phase (phase values as keys).
         phase_reserved: Reserved bytes held by the end of each phase.
@@ -72,12 +78,20 @@ class RankMemory:
     fits: bool
     breakdown: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
+    host_overheads: dict[str, int] = field(default_factory=dict)
     phase_allocated: dict[str, int] = field(default_factory=dict, repr=False)
     phase_reserved: dict[str, int] = field(default_factory=dict, repr=False)
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
+    @property
+    def host_total_bytes(self) -> int:
+        """Host RAM this rank's process needs: its copies and overheads."""
+        return self.host_bytes + sum(self.host_overheads.values())
+
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("phase_")}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("phase_")}
+        out["host_total_bytes"] = self.host_total_bytes
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +123,12 @@ class MethodEstimate:
         return max(r.host_bytes for r in self.ranks) * self.layout.gpus_per_node
 
     @property
+    def host_total_bytes_per_node(self) -> int:
+        """Host RAM a node needs: one process per GPU, each with its copies,
+        its pinned rounding and its own baseline (the largest rank's, to be safe)."""
+        return max(r.host_total_bytes for r in self.ranks) * self.layout.gpus_per_node
+
+    @property
     def worst(self) -> RankMemory:
         """The rank with the largest device total (the one that OOMs first)."""
         return max(self.ranks, key=lambda r: r.device_total_bytes)
@@ -125,10 +145,21 @@ class MethodEstimate:
             "fits": all(r.fits for r in self.ranks),
             "ranks": [r.to_dict() for r in self.ranks],
             "host_bytes_per_node": self.host_bytes_per_node,
+            "host_total_bytes_per_node": self.host_total_bytes_per_node,
             "comm_intra_node_bytes": self.comm_intra_node_bytes,
             "comm_inter_node_bytes": self.comm_inter_node_bytes,
             "notes": list(self.notes),
         }
+
+
+def host_overheads(pinned_rounding_bytes: int = 0) -> dict[str, int]:
+    """A rank's host overheads (:attr:`RankMemory.host_overheads`)."""
+    from llmem_plugin.host import process_baseline_bytes
+
+    out = {"process": process_baseline_bytes()}
+    if pinned_rounding_bytes:
+        out["pinned_rounding"] = pinned_rounding_bytes
+    return out
 
 
 def rank_memory(
@@ -140,6 +171,7 @@ def rank_memory(
     alloc_conf: AllocatorConfig | None = None,
     extra_breakdown: dict[str, int] | None = None,
     host_bytes: int = 0,
+    host_pinned_rounding_bytes: int = 0,
     streams: Mapping[int, int] | None = None,
 ) -> RankMemory:
     """The three numbers of one traced rank: its event stream replayed through
@@ -154,7 +186,9 @@ def rank_memory(
             this rank's NCCL communicators.
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` settings (defaults if None).
         extra_breakdown: Method-specific bytes at the peak to report.
-        host_bytes: CPU RAM for offloaded states.
+        host_bytes: CPU RAM for offloaded states and pinned copies.
+        host_pinned_rounding_bytes: What the caching host allocator adds to
+            the pinned ones (:func:`llmem_plugin.host.pinned_bytes`).
         streams: Trace record index -> side-stream number of allocations a
             wrapper made off the default stream (``RankTracker.stream_of``):
             each stream is replayed with its own pools
@@ -179,6 +213,7 @@ def rank_memory(
         fits=fits,
         breakdown=breakdown,
         host_bytes=host_bytes,
+        host_overheads=host_overheads(host_pinned_rounding_bytes),
         phase_allocated=dict(sim.phase_allocated_bytes),
         phase_reserved=dict(sim.phase_reserved_bytes),
         phase_breakdowns={p.value: {c.value: v for c, v in bd.items()} for p, bd in trace.phase_breakdowns.items()},

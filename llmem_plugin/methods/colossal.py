@@ -497,9 +497,17 @@ def estimate(
         if workload.grad_accum_steps > 1:
             notes.append("gradient accumulation: every micro-batch is reduced and added (no no_sync)")
     trace, buf, _ = _trace_rank(meta, workload, make_emulator=make, dtype=dtype, gpu=gpu, capacity=capacity)
+    rounding = 0
+    if states.host_bytes:
+        from llmem_plugin.host import pinned_bytes
+
+        # Each pinned shard copy is its own pinned allocation (Chunk.close_chunk:
+        # torch.empty(shard_size, pin_memory=True)), rounded by the caching host allocator.
+        sizes = [b * c.shard_size(dp) for c in chunks if not c.keep_gathered for b in (es, 4)]
+        rounding = sum(pinned_bytes(n) - n for n in sizes)
     rank = rank_memory(breakdown(trace, buf), rank=0, gpu=gpu, overheads=overheads, alloc_conf=conf,
                        streams=buf.tracker.stream_of,
-                       host_bytes=states.host_bytes)
+                       host_bytes=states.host_bytes, host_pinned_rounding_bytes=rounding)
     intra, inter = split_comm(buf.sent_bytes, layout)
     if dtype == torch.float16:
         notes.append("fp16 traced in bf16 (same element size)")

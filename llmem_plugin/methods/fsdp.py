@@ -155,7 +155,8 @@ def estimate(
     for r in ranks:
         traced = _trace_rank(model, wl, layout=layout, rank=r, gpu=target, **settings)
         rows.append(rank_memory(traced.trace, rank=r, gpu=target, overheads=overheads, alloc_conf=config,
-                                host_bytes=traced.host_bytes, streams=traced.streams))
+                                host_bytes=traced.host_bytes,
+                                host_pinned_rounding_bytes=traced.host_pinned_rounding_bytes, streams=traced.streams))
         if traced.padding_bytes:
             notes.append(f"rank {r}: {traced.padding_bytes} B of dim-0 shard padding in parameters and gradients "
                          f"(FSDP2 pads every shard to ceil(dim0 / {shard_size}) rows)")
@@ -408,6 +409,7 @@ def _trace_fsdp_step(
     num_sms: int | None = None,
     cpu_offload: bool = False,
     streams: dict[int, int] | None = None,
+    pinned: dict[str, int] | None = None,
 ) -> tuple[TraceResult, int]:
     """Trace ``NUM_ITERATIONS`` steps of an FSDP2-wrapped model:
     :func:`llmem_plugin.step.trace_step` with a :class:`RankTracker` (the
@@ -419,6 +421,9 @@ def _trace_fsdp_step(
         streams: Filled with the side stream of each allocation FSDP2 made
             off the default stream (its all-gather copy-in and reduce-scatter
             streams), by trace record index.
+        pinned: With ``cpu_offload``, filled with "rounding": what the
+            caching host allocator adds to the pinned shards and gradients
+            (:func:`_pinned_rounding`).
 
     Returns:
         The trace and the host bytes of offloaded states (0 without offload).
@@ -439,6 +444,8 @@ def _trace_fsdp_step(
             stepped = local_step(optimizer)
             if cpu_offload:
                 host[0] = _host_bytes(params, trainable, state_tensors(stepped))
+                if pinned is not None:
+                    pinned["rounding"] = _pinned_rounding(params, trainable)
             return stepped
 
     trace = trace_step(
@@ -457,6 +464,23 @@ def _host_bytes(params: list[torch.Tensor], trainable: list[torch.Tensor], state
     shards = sum(local(p).untyped_storage().nbytes() for p in params)
     grads = sum(local(p.grad).numel() * p.grad.element_size() for p in trainable if p.grad is not None)
     return shards + grads + sum(local(t).untyped_storage().nbytes() for t in states)
+
+
+def _pinned_rounding(params: list[torch.Tensor], trainable: list[torch.Tensor]) -> int:
+    """Bytes the caching host allocator adds to FSDP2's pinned host tensors
+    (:func:`llmem_plugin.host.pinned_bytes`). ``CPUOffloadPolicy(pin_memory=True)``
+    (its default) pins each padded parameter shard
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``:
+    ``padded_sharded_param.pin_memory()``) and copies each sharded gradient to
+    the host with ``non_blocking=True``, which allocates it pinned
+    (_fsdp_collectives.py ``foreach_reduce``). Optimizer states
+    (``zeros_like`` on the host) are pageable. The trace runs with
+    ``pin_memory=False`` (a CPU-only torch cannot pin), so this is added."""
+    from llmem_plugin.host import pinned_bytes
+
+    sizes = [local(p).untyped_storage().nbytes() for p in params]
+    sizes += [local(p.grad).numel() * p.grad.element_size() for p in trainable if p.grad is not None]
+    return sum(pinned_bytes(b) - b for b in sizes)
 
 
 # -------------------------------------------------------------- per rank
@@ -484,6 +508,7 @@ class _RankTrace:
     trace: TraceResult
     host_bytes: int
     padding_bytes: int
+    host_pinned_rounding_bytes: int = 0
     groups: list[_Group]
     streams: dict[int, int]
 
@@ -536,13 +561,15 @@ def _trace_rank(
         _materialize(model, fake_mode)
         with tracing(f"the FSDP2 training step of {type(model).__name__}"):
             streams: dict[int, int] = {}
+            pinned: dict[str, int] = {}
             trace, host_bytes = _trace_fsdp_step(
                 model, workload, vocab_size=vocab, fake_mode=fake_mode,
                 compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, cpu_offload=cpu_offload,
-                streams=streams,
+                streams=streams, pinned=pinned,
             )
         groups, padding = _fsdp_groups(model)
-    return _RankTrace(trace=trace, host_bytes=host_bytes, padding_bytes=padding, groups=groups, streams=streams)
+    return _RankTrace(trace=trace, host_bytes=host_bytes, padding_bytes=padding, groups=groups, streams=streams,
+                      host_pinned_rounding_bytes=pinned.get("rounding", 0))
 
 
 def _comm_bytes(

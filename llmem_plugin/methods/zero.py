@@ -271,6 +271,7 @@ class _Plan:
     groups: list[_Group]
     persistent: set[int]  # ids of params kept whole (ZeRO-3)
     sub_groups: list[list[nn.Parameter]]
+    decay_groups: list[list[nn.Parameter]] = dataclasses.field(default_factory=list)  # ZeRO-3 param groups
 
     @property
     def es(self) -> int:
@@ -328,7 +329,8 @@ def _plan(model: nn.Module, *, cfg: ZeroConfig, dp: int, rank: int, dtype: torch
                 total += p.numel()
     # stage3.py _create_fp16_sub_groups: split a group once its partitions reach sub_group_size.
     sub_groups: list[list[nn.Parameter]] = []
-    for ps in (_decay_groups(model, trainable) if cfg.stage == 3 else []):
+    decay_groups = _decay_groups(model, trainable) if cfg.stage == 3 else []
+    for ps in decay_groups:
         cur: list[nn.Parameter] = []
         size = 0
         for p in ps:
@@ -337,7 +339,8 @@ def _plan(model: nn.Module, *, cfg: ZeroConfig, dp: int, rank: int, dtype: torch
             if size >= cfg.sub_group_size or p is ps[-1]:
                 sub_groups.append(cur)
                 cur, size = [], 0
-    return _Plan(cfg.stage, dp, rank, dtype, cfg, optimizer, params, trainable, groups, persistent, sub_groups)
+    return _Plan(cfg.stage, dp, rank, dtype, cfg, optimizer, params, trainable, groups, persistent, sub_groups,
+                 decay_groups)
 
 
 def _states(plan: _Plan, grad_accum_steps: int = 1) -> ZeroModelStates:
@@ -350,7 +353,8 @@ def _states(plan: _Plan, grad_accum_steps: int = 1) -> ZeroModelStates:
         grads_b = 0 if cfg.offload_optimizer else es * plan.in_numel()
         # Host: fp32 master, fp32 grads, states and the 16-bit copy-back buffer
         # (param_buffer_of_bit16_for_cpu_offload_groups).
-        host = part * (4 + 4 + state_b + es)
+        # + temp_grad_buffer_for_cpu_offload: the largest trainable param, 16-bit, pinned (__init__).
+        host = part * (4 + 4 + state_b + es) + es * max((p.numel() for p in plan.trainable), default=0)
         if grad_accum_steps > 1:  # accumulated_grads_in_cpu: whole in-partition params, 16-bit
             host += es * plan.in_numel()
     else:
@@ -370,6 +374,47 @@ def _states(plan: _Plan, grad_accum_steps: int = 1) -> ZeroModelStates:
         optimizer_state_bytes=state_b * part if device else 0, fp32_grads_bytes=4 * part if device else 0,
         host_bytes=0 if device else host, padded_trainable=part,
     )
+
+
+def _pinned_rounding(plan: _Plan, grad_accum_steps: int = 1) -> int:
+    """Bytes the caching host allocator adds to DeepSpeed's pinned offload
+    buffers (:func:`llmem_plugin.host.pinned_bytes`), with
+    ``offload_optimizer.pin_memory`` at its default, True
+    (runtime/zero/offload_config.py); 0 without offload. DeepSpeed pins
+    through ``get_accelerator().pin_memory`` = ``tensor.pin_memory()``
+    (accelerator/abstract_accelerator.py, backend "torch" by default). The
+    optimizer states (DeepSpeedCPUAdam's ``zeros_like``) and ZeRO-3's fp32
+    partitions (``.clone()`` of a host tensor) are pageable.
+
+    * Stage 1/2 (stage_1_and_2.py ``__init__``): per group, the fp32
+      partition, the 16-bit copy-back buffer and the fp32 gradient
+      partition; ``temp_grad_buffer_for_cpu_offload``; with accumulation, one
+      buffer per in-partition param (``buffer_to_accumulate_to_in_cpu``).
+    * Stage 3 (stage3.py): ``grad_partitions_flat_buffer``, each sub group's
+      fp32 gradient buffer, and with ``offload_param`` each trainable
+      group's 16-bit flat buffer (``_create_param_groups_fp16_flat_cpu_memory``)
+      and each frozen param's partition.
+    """
+    from llmem_plugin.host import pinned_bytes
+
+    if not plan.cfg.offload_optimizer:
+        return 0
+    es = plan.es
+    sizes: list[int] = []
+    if plan.stage < 3:
+        for g in plan.groups:
+            sizes += [4 * g.partition, es * g.partition, 4 * g.partition]
+        sizes.append(es * max((p.numel() for p in plan.trainable), default=0))
+        if grad_accum_steps > 1:
+            sizes += [es * p.numel() for g in plan.groups for p in g.in_partition]
+    else:
+        sizes.append(es * sum(plan.part(p) for p in plan.trainable))
+        sizes += [4 * sum(plan.part(p) for p in sg) for sg in plan.sub_groups]
+        if plan.cfg.offload_param:
+            sizes += [es * sum(plan.part(p) for p in g) for g in plan.decay_groups]
+            sizes += [es * plan.part(p) for p in plan.params
+                      if not p.requires_grad and id(p) not in plan.persistent]
+    return sum(pinned_bytes(b) - b for b in sizes)
 
 
 # ------------------------------------------------------------------ tracing
@@ -563,7 +608,8 @@ def estimate(
                                        capacity=capacity)
         states = _states(plan, workload.grad_accum_steps)
         ranks.append(rank_memory(breakdown(trace, buf), rank=rank, gpu=gpu, overheads=overheads,
-                                 alloc_conf=conf, host_bytes=states.host_bytes))
+                                 alloc_conf=conf, host_bytes=states.host_bytes,
+                                 host_pinned_rounding_bytes=_pinned_rounding(plan, workload.grad_accum_steps)))
         sent = max(sent, buf.sent_bytes)
     intra, inter = split_comm(sent, layout)
     notes = [
@@ -578,7 +624,8 @@ def estimate(
     if dtype == torch.float16:
         notes.append("fp16 traced in bf16 (same element size)")
     if ranks[0].host_bytes:
-        notes.append(f"host memory: {ranks[0].host_bytes} B per rank, "
+        notes.append(f"host memory: {ranks[0].host_bytes} B of offloaded states and pinned buffers per rank "
+                     f"(+{ranks[0].host_overheads.get('pinned_rounding', 0)} B of pinned-allocator rounding), "
                      f"{ranks[0].host_bytes * layout.gpus_per_node} B per node")
     return MethodEstimate(method=preset, layout=layout, ranks=ranks, comm_intra_node_bytes=intra,
                           comm_inter_node_bytes=inter, notes=notes)

@@ -179,8 +179,9 @@ def test_zero2_offload_equals_deepspeed_estimator(num_gpus):
     ours = _states(2, num_gpus, offload_optimizer=True)
     assert ours.device_bytes == ours.params_bytes == gpu_mem  # 16-bit params only
     # Theirs: 16 B/param (4 master + 4 grads + 8 states) per node x 1.5; ours
-    # adds the 16-bit copy-back buffer (param_buffer_of_bit16_for_cpu_offload_groups).
-    assert ours.host_bytes * num_gpus == cpu_mem / 1.5 + 2 * P
+    # adds the 16-bit copy-back buffer (param_buffer_of_bit16_for_cpu_offload_groups)
+    # and each rank's pinned temp_grad_buffer_for_cpu_offload (the largest param, 16-bit).
+    assert ours.host_bytes * num_gpus == cpu_mem / 1.5 + 2 * P + num_gpus * 2 * WIDTH * WIDTH
 
 
 @needs_deepspeed
