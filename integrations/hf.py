@@ -176,56 +176,13 @@ def _hf_zero3_init_off():
         hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
-@contextlib.contextmanager
 def _real_process_group_set_aside():
-    """Hide the job's own process group while the estimate runs.
+    """The job's own process groups hidden while the estimate runs (the DDP/
+    FSDP/TP estimates trace under a fake default group):
+    :func:`llmem_plugin.methods._fakepg.real_process_groups_set_aside`."""
+    from llmem_plugin.methods._fakepg import real_process_groups_set_aside
 
-    The callback runs inside the distributed job, but the DDP/FSDP/TP
-    estimates trace under a fake default process group
-    (``llmem_plugin.methods._fakepg.fake_process_group``), which refuses to
-    replace a real one, and whose ``destroy_process_group()`` would shut down
-    and unregister every group in c10d's tables. So the tables are emptied
-    here and restored afterwards (torch 2.13 distributed_c10d.py: ``_world``,
-    ``_update_default_pg``, ``_register_process_group``). No collective runs
-    meanwhile: the estimate is local to this rank.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        yield
-        return
-    from torch._C._distributed_c10d import (
-        _register_process_group,
-        _unregister_process_group,
-    )
-
-    c10d = dist.distributed_c10d
-    w = c10d._world
-    tables = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "pg_coalesce_state")
-    saved = {name: dict(getattr(w, name)) for name in tables}
-    tags = {tag: list(pgs) for tag, pgs in w.tags_to_pg.items()}
-    default, count = w.default_pg, w.group_count
-    for pg, name in saved["pg_names"].items():
-        _unregister_process_group(name)
-    for name in tables:
-        getattr(w, name).clear()
-    w.tags_to_pg.clear()
-    c10d._update_default_pg(None)
-    w.group_count = 0
-    try:
-        yield
-    finally:
-        if dist.is_initialized():  # the estimate left its group: not ours to keep
-            dist.destroy_process_group()
-        for name in tables:
-            getattr(w, name).clear()
-            getattr(w, name).update(saved[name])
-        w.tags_to_pg.clear()
-        w.tags_to_pg.update(tags)
-        w.group_count = count
-        for pg, name in saved["pg_names"].items():
-            _register_process_group(name, pg)
-        c10d._update_default_pg(default)
+    return real_process_groups_set_aside()
 
 
 def _find_trainer() -> Any:

@@ -916,6 +916,9 @@ def plan(
     gcs = [grad_checkpointing] if grad_checkpointing is not None else [False, True]
 
     configs, skipped = _configs(ctx, methods, tps)
+    if not configs:
+        # Nothing to search: the reason is the layout, not the memory.
+        raise ConfigError(_inapplicable_line(methods or planner_methods(), layout, skipped))
     todo = []
     for cfg in configs:
         lb = _lower_bound(cfg, layout, params, trainable, wl)
@@ -1066,6 +1069,36 @@ def _wont_fit_line(p: Plan) -> str:
     return head
 
 
+def _inapplicable_line(names: list[str], layout: Layout, skipped: list[tuple[str, str]]) -> str:
+    """Why none of ``names`` can run on ``layout`` (:func:`_configs` left none),
+    one line with the values and the fix."""
+    gpus = f"{layout.num_gpus} GPU{'s' if layout.num_gpus > 1 else ''}" + (
+        f" on {layout.num_nodes} nodes" if layout.num_nodes > 1 else "")
+    said = {label.split(" ")[0]: why for label, why in skipped}
+    reasons = []
+    for name in names:
+        t = _TRAITS[name]
+        if name in said:
+            why = said[name]
+        elif name == "single":
+            why = f"runs on one GPU, not {layout.num_gpus}"
+        elif layout.num_gpus == 1:
+            why = ("needs at least 2 GPUs (on one GPU its step is the single-GPU step)" if not t.tp_family
+                   else "needs at least 2 GPUs to split the layers over")
+        else:
+            why = (f"has no tensor-parallel degree for this layout (tp takes all {layout.num_gpus} GPUs within "
+                   f"one node; dp-tp and fsdp-tp take a degree that divides a node's {layout.gpus_per_node} GPUs "
+                   "and leaves data parallelism)")
+        reasons.append(f"{name} {why}")
+    offload = [m for m in planner_methods() if _TRAITS[m].offload]
+    if layout.num_gpus == 1:
+        hint = (f"pass --gpus 2 or more (num_gpus=), or --methods single (or an offload method: "
+                f"{', '.join(offload)})")
+    else:
+        hint = "pass --methods with one that applies (e.g. ddp, fsdp), or --gpus 1 for single"
+    return (f"no method of --methods {','.join(names)} applies to {gpus}: {'; '.join(reasons)}. HINT: {hint}")
+
+
 def _suggestions(model: Any, failed: Plan, kw: dict[str, Any], cache: dict) -> list[Suggestion]:
     """Changes that make the job fit, each confirmed by re-planning with it."""
     out: list[Suggestion] = []
@@ -1079,7 +1112,9 @@ def _suggestions(model: Any, failed: Plan, kw: dict[str, Any], cache: dict) -> l
                      suggest=False, _profiles=cache, **args)
         except WontFitError:
             return False
-        except ConfigError:  # the change does not apply to this model (e.g. LoRA targets it lacks)
+        except LLMemError:  # the change does not apply here (LoRA targets the model lacks, a method it refuses)
+            return False
+        except ImportError:  # a suggestion never needs an optional library: left out when it would
             return False
         out.append(Suggestion(change=change, choice=p.choice))
         return True

@@ -21,26 +21,74 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["fake_process_group", "isolated_sharding_propagation"]
+__all__ = ["fake_process_group", "isolated_sharding_propagation", "real_process_groups_set_aside"]
 
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """Make the default process group a fake one of ``world_size`` ranks, as ``rank``.
 
-    Raises:
-        RuntimeError: A default process group already exists (e.g. inside a
-            real distributed job); the fake one would replace it.
+    Inside a real distributed job (after ``init_process_group``) the job's
+    groups are set aside meanwhile and restored after
+    (:func:`real_process_groups_set_aside`).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("a default process group is already initialized; estimate before init_process_group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    with real_process_groups_set_aside():
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def real_process_groups_set_aside() -> Iterator[None]:
+    """Hide a real job's process groups while an estimate runs in this process.
+
+    ``init_process_group`` refuses to replace a default group, and the fake
+    group's ``destroy_process_group()`` would shut down and unregister every
+    group in c10d's tables. So the tables are emptied here and restored
+    afterwards (torch 2.13 distributed_c10d.py: ``_world``,
+    ``_update_default_pg``, ``_register_process_group``). No collective of the
+    job may run meanwhile: the estimate is local to this process. A no-op
+    when no group is initialized.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    from torch._C._distributed_c10d import (
+        _register_process_group,
+        _unregister_process_group,
+    )
+
+    c10d = dist.distributed_c10d
+    w = c10d._world
+    tables = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "pg_coalesce_state")
+    saved = {name: dict(getattr(w, name)) for name in tables}
+    tags = {tag: list(pgs) for tag, pgs in w.tags_to_pg.items()}
+    default, count = w.default_pg, w.group_count
+    for name in saved["pg_names"].values():
+        _unregister_process_group(name)
+    for name in tables:
+        getattr(w, name).clear()
+    w.tags_to_pg.clear()
+    c10d._update_default_pg(None)
+    w.group_count = 0
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a group the estimate left: not the job's to keep
+            dist.destroy_process_group()
+        for name in tables:
+            getattr(w, name).clear()
+            getattr(w, name).update(saved[name])
+        w.tags_to_pg.clear()
+        w.tags_to_pg.update(tags)
+        w.group_count = count
+        for pg, name in saved["pg_names"].items():
+            _register_process_group(name, pg)
+        c10d._update_default_pg(default)
 
 
 @contextlib.contextmanager
