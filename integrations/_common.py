@@ -19,13 +19,54 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin.errors import ConfigError
+from llmem_plugin.errors import ConfigError, LLMemError
 from llmem_plugin.gpus import GPU, get_gpu, match_device_name, parse_memory
 from llmem_plugin.verify import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
 
-__all__ = ["Check", "LiveModel", "batch_dims", "check", "choose", "live_model", "precision_of", "report_text",
-           "resolve_target"]
+__all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "live_model", "not_checked_line", "precision_of",
+           "report_text", "resolve_target", "validate_target"]
+
+
+# The estimate is the steady state: optimizer states are created by the first
+# optimizer step and are alive through the second step's forward and backward
+# (llmem_plugin/step.py traces NUM_ITERATIONS = 2 steps for that). A measured
+# peak is compared with it only once that step has run: step 1 alone lacks the
+# states during its forward (+39.8% on a tiny Llama, tests/integrations/test_hf.py).
+FIRST_STEADY_STEP = 2
+
+
+def compare_step(compare_after_steps: int) -> int:
+    """The optimizer step after which an adapter compares: the one asked, but
+    not before :data:`FIRST_STEADY_STEP`."""
+    return max(compare_after_steps, FIRST_STEADY_STEP)
+
+
+def validate_target(gpu: GPU | str | None, gpu_memory: int | str | None) -> None:
+    """Check an adapter's ``gpu``/``gpu_memory`` arguments when it is built, so
+    that a bad value stops the job at once and a fit-time failure of
+    :func:`resolve_target` is always the machine's (no CUDA, a device the
+    catalog lacks), which the adapters treat as "not checked".
+
+    Raises:
+        ConfigError: An unknown GPU name or a capacity that is not a size.
+    """
+    if gpu is not None and not isinstance(gpu, GPU):
+        get_gpu(gpu)
+    if isinstance(gpu_memory, str):
+        parse_memory(gpu_memory)
+
+
+def not_checked_line(adapter: str, reason: Any, how: str | None = None) -> str:
+    """The one line an adapter warns with when it cannot check the job and
+    trains on: the reason (an exception or text) and what to pass (``how``;
+    None keeps the reason's own HINT)."""
+    text = str(reason) if not isinstance(reason, Exception) or isinstance(reason, LLMemError) \
+        else f"{type(reason).__name__}: {reason}"
+    text = " ".join(text.split())  # one line
+    if how is not None:
+        text = f"{text.split(' HINT:')[0].rstrip('. ')}. HINT: {how}"
+    return f"{adapter}: the job is not checked, training goes on: {text} (strict=True stops the job instead)"
 
 
 def resolve_target(gpu: GPU | str | None, gpu_memory: int | str | None) -> tuple[GPU, int | None]:

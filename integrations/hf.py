@@ -16,8 +16,10 @@ appends a row to ``<output_dir>/llmem-verify.jsonl`` for ``llmem validate``.
 or FSDP settings, the micro-batch and accumulation that keep the global
 batch, and gradient checkpointing.
 
-An estimator limitation (an optimizer or setting that is not modelled) never
-stops training: the callback warns and the job runs unchecked.
+A job that cannot be checked (no CUDA device and no ``gpu=``, an optimizer
+or setting that is not modelled, an estimate that fails) is not stopped: the
+callback warns once, saying what to pass, and the job runs unchecked, unless
+``strict=True``. Only a job that does not fit stops (``on_wont_fit="abort"``).
 """
 
 from __future__ import annotations
@@ -215,6 +217,13 @@ class LLMemCallback(TrainerCallback):
         tolerance_pct: Warn when a compared metric is off by more than this.
         record_file: JSONL file for the comparison row; default
             ``<output_dir>/llmem-verify.jsonl``; ``False`` writes none.
+        strict: Stop the job (raise) when it cannot be checked; by default
+            the callback warns once and training goes on unchecked.
+
+    The comparison waits for the first steady-state step (step 2,
+    :data:`~llmem_plugin.integrations._common.FIRST_STEADY_STEP`): the
+    estimate is the steady state, and step 1 runs its forward without the
+    optimizer states, which its ``step()`` creates.
 
     Attributes:
         check: The :class:`~llmem_plugin.integrations._common.Check` made
@@ -224,7 +233,8 @@ class LLMemCallback(TrainerCallback):
 
     def __init__(self, on_wont_fit: str = "abort", margin: float = 0.05, compare_after_steps: int = 3,
                  seq_len: int | None = None, gpu: Any = None, gpu_memory: int | str | None = None, *,
-                 tolerance_pct: float = DEFAULT_TOLERANCE_PCT, record_file: str | bool | None = None) -> None:
+                 tolerance_pct: float = DEFAULT_TOLERANCE_PCT, record_file: str | bool | None = None,
+                 strict: bool = False) -> None:
         if on_wont_fit not in ("abort", "warn"):
             raise ConfigError(f"on_wont_fit must be 'abort' or 'warn', got {on_wont_fit!r}")
         if not 0 <= margin < 1:
@@ -233,6 +243,11 @@ class LLMemCallback(TrainerCallback):
             raise ConfigError(f"compare_after_steps must be an integer >= 0, got {compare_after_steps!r}")
         if seq_len is not None and (not isinstance(seq_len, int) or seq_len <= 0):
             raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict must be True or False, got {strict!r}. HINT: strict=True stops a job that "
+                              "cannot be checked")
+        _common.validate_target(gpu, gpu_memory)  # a bad value stops at once, not at the first step
+        self.strict = strict
         self.on_wont_fit = on_wont_fit
         self.margin = margin
         self.compare_after_steps = compare_after_steps
@@ -249,14 +264,20 @@ class LLMemCallback(TrainerCallback):
         self._args: Any = None
         self._trainer: Any = None
         self._optimizer: Any = None
+        self._warned = False
 
     # ----------------------------------------------------------- before training
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._args, self._optimizer, self._steps = args, optimizer, 0
         self.check, self.comparison = None, None
         self._trainer = _find_trainer()
-        target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
-        live = _common.live_model(model)
+        try:
+            target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+            live = _common.live_model(model)
+        except Exception as e:  # noqa: BLE001 - no CUDA device and no gpu=, a device the catalog lacks
+            self._not_checked(e, "pass LLMemCallback(gpu='h100-sxm') (any name `llmem gpus` lists) to check the "
+                                 "job for that GPU")
+            return control
         self._hook = live.module.register_forward_pre_hook(
             lambda mod, a, kw: self._first_forward(live, target, memory, a, kw), with_kwargs=True)
         return control
@@ -266,8 +287,8 @@ class LLMemCallback(TrainerCallback):
         self._hook = None
         dims = _common.batch_dims(kwargs_in) or _common.batch_dims(args_in)
         if dims is None and self.seq_len is None:
-            warnings.warn("llmem: the first batch has no input_ids to read the sequence length from, so the job "
-                          "is not checked. HINT: pass LLMemCallback(seq_len=...)", stacklevel=2)
+            self._not_checked(ConfigError("the first batch has no input_ids to read the sequence length from. "
+                                          "HINT: pass LLMemCallback(seq_len=...)"))
             return
         batch = dims[0] if dims else int(self._args.per_device_train_batch_size)
         seq_len = self.seq_len or dims[1]
@@ -280,10 +301,10 @@ class LLMemCallback(TrainerCallback):
                                            num_nodes=job.num_nodes, gpu=target, gpu_memory=memory,
                                            margin=self.margin, options=job.options)
         except (UnsupportedError, ConfigError) as e:
-            warnings.warn(f"llmem: the job is not checked: {e}", stacklevel=2)
+            self._not_checked(e)
             return
-        except LLMemError as e:  # a trace failure is the estimator's, not the job's
-            warnings.warn(f"llmem: the job is not checked, the estimate failed: {e}", stacklevel=2)
+        except Exception as e:  # noqa: BLE001 - a trace failure is the estimator's, not the job's
+            self._not_checked(e, prefix="the estimate failed: ")
             return
         notes = "".join(f"\nnote: {n}" for n in job.notes)
         if not self.check.fits:
@@ -295,6 +316,21 @@ class LLMemCallback(TrainerCallback):
             log.info("llmem: %s%s", self.check.message(), notes)
         if self.compare_after_steps:
             self._start_meter(live, kwargs_in, args_in)
+
+    def _not_checked(self, reason: Exception, how: str | None = None, *, prefix: str = "") -> None:
+        """Warn once that the job runs unchecked, or raise under ``strict``."""
+        if self.strict:
+            if isinstance(reason, LLMemError):
+                raise reason
+            raise UnsupportedError(f"llmem: the job cannot be checked (strict=True): {prefix}"
+                                   f"{type(reason).__name__}: {reason}") from reason
+        line = _common.not_checked_line("llmem", reason, how)
+        if prefix:
+            line = line.replace("training goes on: ", f"training goes on: {prefix}", 1)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(line, stacklevel=3)
+        log.info(line)
 
     def _start_meter(self, live, kwargs_in, args_in) -> None:
         precision = Precision(self.check.prediction.workload["precision"])
@@ -312,7 +348,7 @@ class LLMemCallback(TrainerCallback):
             return control
         self._steps += 1
         self._meter.step_end(self._steps)
-        if self._steps >= self.compare_after_steps:
+        if self._steps >= _common.compare_step(self.compare_after_steps):
             self._compare(state)
         return control
 
@@ -321,10 +357,13 @@ class LLMemCallback(TrainerCallback):
             self._hook.remove()
             self._hook = None
         if self._meter is not None and self._meter.running:
-            if self._steps:
+            if self._steps >= _common.FIRST_STEADY_STEP:
                 self._compare(state)  # fewer steps than asked: compare what ran
             else:
                 self._meter.abandon()
+                log.info("llmem: training ended after %d optimizer step(s), before the first steady-state step "
+                         "(step %d), which the estimate predicts: not compared", self._steps,
+                         _common.FIRST_STEADY_STEP)
         return control
 
     def _compare(self, state) -> None:
