@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
+from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
 
 __all__ = [
     "STRATEGY_NAME",
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "llmem-auto"
 # Defaults of the registered name, which takes no arguments: Trainer(strategy="llmem-auto").
-ENV_GPU, ENV_GPU_MEMORY, ENV_MARGIN = "LLMEM_GPU", "LLMEM_GPU_MEMORY", "LLMEM_MARGIN"
+ENV_GPU, ENV_GPU_MEMORY, ENV_MARGIN, ENV_STRICT = "LLMEM_GPU", "LLMEM_GPU_MEMORY", "LLMEM_MARGIN", "LLMEM_STRICT"
 _PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 _ON_WONT_FIT = ("abort", "warn")
 _ZERO = ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
@@ -222,7 +222,7 @@ class _Decision:
     method: str
     tp: int = 1
     run_id: str = ""
-    error: str | None = None  # "config" or "wont-fit": every rank raises
+    error: str | None = None  # "config", "strict" or "wont-fit": every rank raises
     message: str = ""
     report: str = ""
     plan: Any = None
@@ -294,7 +294,8 @@ class _AutoStrategyMixin:
 
     def __init__(self, *, margin: float | None = None, seq_len: int | None = None, gpu: Any = None,
                  gpu_memory: int | str | None = None, on_wont_fit: str = "abort", compare_after_steps: int = 3,
-                 tolerance_pct: float | None = None, **ddp_kwargs: Any) -> None:
+                 tolerance_pct: float | None = None, strict: bool | None = None, **ddp_kwargs: Any) -> None:
+        from llmem_plugin.integrations import _common
         from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT
 
         margin = float(os.environ.get(ENV_MARGIN, "0.05")) if margin is None else margin
@@ -308,11 +309,24 @@ class _AutoStrategyMixin:
         if not isinstance(compare_after_steps, int) or compare_after_steps < 0:
             raise ConfigError(f"compare_after_steps must be an integer >= 0, got {compare_after_steps!r}. "
                               "HINT: 0 turns the comparison off")
+        if strict is None:
+            flag = os.environ.get(ENV_STRICT, "0").strip().lower()
+            if flag not in ("0", "1", "true", "false", ""):
+                raise ConfigError(f"{ENV_STRICT}={os.environ[ENV_STRICT]!r} is not a switch. HINT: set it to 1 "
+                                  "(stop a job that cannot be checked) or 0")
+            strict = flag in ("1", "true")
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict must be True or False, got {strict!r}. HINT: strict=True stops a job that "
+                              "cannot be checked")
+        gpu = gpu if gpu is not None else os.environ.get(ENV_GPU) or None
+        gpu_memory = gpu_memory if gpu_memory is not None else os.environ.get(ENV_GPU_MEMORY) or None
+        _common.validate_target(gpu, gpu_memory)  # a bad value stops at once, not at fit
         super().__init__(**ddp_kwargs)
+        self.strict = strict
         self.margin = margin
         self.seq_len = seq_len
-        self.gpu = gpu if gpu is not None else os.environ.get(ENV_GPU) or None
-        self.gpu_memory = gpu_memory if gpu_memory is not None else os.environ.get(ENV_GPU_MEMORY) or None
+        self.gpu = gpu
+        self.gpu_memory = gpu_memory
         self.on_wont_fit = on_wont_fit
         self.compare_after_steps = compare_after_steps
         self.tolerance_pct = DEFAULT_TOLERANCE_PCT if tolerance_pct is None else tolerance_pct
@@ -353,6 +367,8 @@ class _AutoStrategyMixin:
         self.decision = decision
         if decision.error == "config":
             raise ConfigError(decision.message)
+        if decision.error == "strict":
+            raise UnsupportedError(decision.message)
         if decision.error == "wont-fit":
             raise WontFitError(decision.message, plan=decision.plan)
         real = _strategy_of(decision.method, decision.tp, num_gpus=world, module=self.lightning_module,
@@ -380,16 +396,30 @@ class _AutoStrategyMixin:
 
     def _decide(self, trainer: Any, world: int) -> _Decision:
         from lightning_utilities.core.rank_zero import rank_zero_info
+        from llmem_plugin.integrations import _common
 
         default = "ddp" if world > 1 else "single"
         run_id = f"lightning-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+        def not_checked(e: Exception, how: str | None = None) -> _Decision:
+            # The job cannot be checked: train with the default, warned once, unless strict.
+            if self.strict:
+                if isinstance(e, ConfigError):
+                    return _Decision(default, run_id=run_id, error="config", message=str(e))
+                what = str(e) if isinstance(e, LLMemError) else f"{type(e).__name__}: {e}"
+                return _Decision(default, run_id=run_id, error="strict",
+                                 message=f"llmem-auto: the job cannot be checked (strict=True): {what}")
+            line = _common.not_checked_line(f"llmem-auto (training with {default})", e, how)
+            warnings.warn(line, stacklevel=3)
+            return _Decision(default, run_id=run_id, notes=[line])
+
         try:
             inputs = self._inputs(trainer, world)
-        except ConfigError as e:
-            return _Decision(default, run_id=run_id, error="config", message=str(e))
-        except LLMemError as e:
-            warnings.warn(f"llmem-auto: not checked, training with {default}: {e}", stacklevel=2)
-            return _Decision(default, run_id=run_id, notes=[str(e)])
+        except _NoTarget as e:
+            return not_checked(e.__cause__ or e, f"set {ENV_GPU}=h100-sxm or pass LLMemAutoStrategy(gpu='h100-sxm') "
+                                                 "(any name `llmem gpus` lists) to check the job for that GPU")
+        except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
+            return not_checked(e)
         try:
             decision = self._plan(inputs, world, default)
         except WontFitError as e:
@@ -404,9 +434,7 @@ class _AutoStrategyMixin:
             return _Decision(method, tp=closest[0].tp if closest else 1, run_id=run_id, plan=e.plan,
                              candidate=closest[0] if closest else None, report=report)
         except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
-            warnings.warn(f"llmem-auto: not checked, training with {default}: {type(e).__name__}: {e}",
-                          stacklevel=2)
-            return _Decision(default, run_id=run_id, notes=[str(e)])
+            return not_checked(e)
         decision.run_id = run_id
         text = f"llmem-auto: {decision.message}"
         log.info("%s\n%s", text, decision.report)
@@ -420,7 +448,10 @@ class _AutoStrategyMixin:
 
         from llmem_plugin.workload import Workload
 
-        gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+        try:
+            gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+        except ConfigError as e:  # the machine's: no CUDA and no gpu, a device the catalog lacks
+            raise _NoTarget(str(e)) from e
         pl_module = self.lightning_module
         live = _common.live_model(pl_module)
         try:
@@ -484,6 +515,10 @@ class _AutoStrategyMixin:
                          notes=inputs["notes"])
 
 
+class _NoTarget(LLMemError):
+    """No GPU to estimate for (no CUDA device and no ``gpu``, or a device the catalog lacks)."""
+
+
 def _report(plan: Any) -> str:
     if plan is None:
         return ""
@@ -500,6 +535,13 @@ def _overrides_configure_model(pl_module: Any) -> bool:
 
 
 # ----------------------------------------------------------------------------- predicted vs actual
+
+
+def _first_steady(steps: int) -> int:
+    """The step to compare after: the one asked, not before the first steady-state step."""
+    from llmem_plugin.integrations import _common
+
+    return _common.compare_step(steps)
 
 
 class _MeterMixin:
@@ -537,7 +579,7 @@ class _MeterMixin:
             return
         self._last = trainer.global_step
         self.meter.step_end(trainer.global_step)
-        if trainer.global_step >= self.steps:
+        if trainer.global_step >= _first_steady(self.steps):
             self._finish(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -607,8 +649,12 @@ Args:
     on_wont_fit: ``"abort"`` raises WontFitError with the report; ``"warn"``
         trains anyway with the closest candidate's method.
     compare_after_steps: Optimizer steps after which predicted and measured
-        peaks are compared and logged (0: off).
+        peaks are compared and logged (0: off); not before step 2, the first
+        steady-state step, which the estimate predicts.
     tolerance_pct: Warn when the error exceeds it (default: the README target).
+    strict: Stop the job when it cannot be checked (no GPU to estimate for, an
+        unmodelled setting, a failed estimate); default ``$LLMEM_STRICT`` or
+        False: warn once and train with DDP (one device: single).
     **ddp_kwargs: Passed to DDPStrategy when DDP is chosen.
 
 Known limitations:

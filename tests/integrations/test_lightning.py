@@ -242,12 +242,56 @@ def test_an_unmodelled_optimizer_warns_and_trains_unchecked(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "llmem-verify.jsonl"))
 
 
-def test_no_gpu_on_the_cpu_is_one_clear_error(tmp_path, monkeypatch):
+def test_no_gpu_on_the_cpu_warns_once_what_to_pass_and_trains(tmp_path, monkeypatch):
+    import warnings
+
+    monkeypatch.delenv("LLMEM_GPU", raising=False)
+    monkeypatch.delenv("LLMEM_STRICT", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, strategy = _fit(tmp_path, steps=1)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("llmem")]
+    assert len(ours) == 1 and "\n" not in ours[0], ours
+    assert "not checked" in ours[0] and "no CUDA device" in ours[0] and "LLMEM_GPU=h100-sxm" in ours[0]
+    assert trainer.global_step == 1 and type(trainer.strategy) is ls.SingleDeviceStrategy
+    assert strategy.decision.prediction is None
+
+
+def test_no_gpu_on_the_cpu_stops_the_job_in_strict_mode(tmp_path, monkeypatch):
     from llmem_plugin.errors import ConfigError
 
     monkeypatch.delenv("LLMEM_GPU", raising=False)
+    monkeypatch.setenv("LLMEM_STRICT", "1")
     with pytest.raises(ConfigError, match="no CUDA device in this process and no gpu given. HINT"):
         _fit(tmp_path, steps=1)
+
+
+def test_a_bad_gpu_name_stops_when_the_strategy_is_built(monkeypatch):
+    from llmem_plugin.errors import ConfigError
+
+    monkeypatch.setenv("LLMEM_GPU", "h100-sxmm")
+    with pytest.raises(ConfigError, match="h100-sxmm"):
+        LLMemAutoStrategy()
+
+
+def test_nothing_fits_by_name_without_bitsandbytes_still_aborts(tmp_path, monkeypatch):
+    """The won't-fit path (its suggestions try 8-bit AdamW) needs no optional
+    library: without bitsandbytes, a job that does not fit still stops."""
+    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setenv("LLMEM_GPU", "h100-sxm")
+    monkeypatch.setenv("LLMEM_GPU_MEMORY", "100MiB")
+    ex = _example()
+    module = ex.CausalLM(ex.tiny_llama())
+    data = torch.utils.data.DataLoader(ex.RandomTokens(num_samples=8, seq_len=32, vocab_size=512), batch_size=2)
+    trainer = pl.Trainer(strategy="llmem-auto", accelerator="cpu", devices=1, max_steps=2,
+                         default_root_dir=str(tmp_path), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(WontFitError) as e:
+        trainer.fit(module, data)
+    assert trainer.global_step == 0 and e.value.plan.capacity_bytes == 100 * 2**20
+    assert "no method fits" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- two real DDP ranks
