@@ -24,8 +24,8 @@ from llmem_plugin.gpus import GPU, get_gpu, match_device_name, parse_memory
 from llmem_plugin.verify import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
 
-__all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "live_model", "not_checked_line", "precision_of",
-           "report_text", "resolve_target", "validate_target"]
+__all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "live_model",
+           "not_checked_line", "precision_of", "report_text", "resolve_target", "validate_target"]
 
 
 # The estimate is the steady state: optimizer states are created by the first

@@ -1035,15 +1035,20 @@ def plan(
                   runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings)
     if choice is None:
         suggestions = []
+        search_note = None
         if suggest:
             same = {"gpu": gpu, "gpu_memory": gpu_memory, "global_batch": global_batch, "margin": margin,
                     "methods": methods, "tps": tps, "micro_batch": micro_batch,
                     "grad_checkpointing": grad_checkpointing, "alloc_conf": alloc_conf, "efficiency": efficiency,
                     "inter_node_gbps": inter_node_gbps, "verify": verify, "max_verify": max_verify}
-            suggestions = _suggestions(model, result, same, cache)
+            try:
+                suggestions = _suggestions(model, result, same, cache)
+            except Exception as e:  # noqa: BLE001 - the verdict stands without them (an adapter must still stop)
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                search_note = f"the search for changes that fit failed ({type(e).__name__}: {first})"
         result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0,
                                      timings={**timings, "suggest": time.perf_counter() - t_end})
-        raise WontFitError(_wont_fit_line(result), plan=result)
+        raise WontFitError(_wont_fit_line(result, search_note), plan=result)
     return result
 
 
@@ -1051,7 +1056,7 @@ def _cfg_label(cfg: _Config) -> str:
     return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
 
 
-def _wont_fit_line(p: Plan) -> str:
+def _wont_fit_line(p: Plan, search_note: str | None = None) -> str:
     head = (f"no method fits {p.model} on {p.layout.num_gpus} x {p.gpu.name} at seq {p.workload.seq_len} "
             f"within {p.limit_bytes / _GIB:.1f} GiB per GPU")
     close = p.closest(1)
@@ -1066,6 +1071,8 @@ def _wont_fit_line(p: Plan) -> str:
                  f"{unverified} more were not traced (raise max_verify to try them)")
     if p.suggestions:
         head += "; to fit: " + "; ".join(s.change for s in p.suggestions)
+    if search_note:
+        head += f"; {search_note}"
     return head
 
 

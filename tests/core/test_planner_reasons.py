@@ -93,3 +93,19 @@ def test_plan_after_init_process_group_leaves_the_real_group_working(tmp_path):
                                                                          alone.choice.device_total_bytes)
     assert [(c.method, c.device_total_bytes) for c in inside.candidates] == [
         (c.method, c.device_total_bytes) for c in alone.candidates]
+
+
+def test_a_failing_suggestion_search_keeps_the_wont_fit_verdict(monkeypatch):
+    """An adapter stops a job on WontFitError: whatever goes wrong while
+    searching for changes that would fit, the verdict is still raised."""
+    from llmem_plugin import planner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(planner, "_suggestions", broken)
+    with pytest.raises(WontFitError) as e:
+        plan(tiny_config("llama"), gpu="h100-sxm", gpu_memory=2**20, num_gpus=1, methods=["single"])
+    msg = str(e.value)
+    assert "no method fits" in msg and "the search for changes that fit failed (RuntimeError: boom)" in msg
+    assert e.value.plan.suggestions == []
