@@ -440,7 +440,7 @@ def autoconfigure(model: Any, training_args: Any, cluster: dict[str, Any] | None
                                "gradient_checkpointing": c.grad_checkpointing,
                                "deepspeed": None, "fsdp": "", "fsdp_config": None}
     if c.method.startswith("zero"):
-        ds = to_deepspeed_config(plan)
+        ds = to_deepspeed_config(plan, optimizer=False)  # the Trainer builds it from its arguments
         changes["deepspeed"] = ds
     elif c.method in ("fsdp", "fsdp-offload"):
         changes["fsdp"] = "full_shard auto_wrap" + (" offload" if c.method == "fsdp-offload" else "")

@@ -186,7 +186,7 @@ def lightning_strategy(plan: Any, candidate: Any = None, *, module: Any = None,
 def _ds_config(plan: Any, candidate: Any) -> dict[str, Any]:
     from llmem_plugin.integrations.deepspeed import to_deepspeed_config
 
-    return to_deepspeed_config(plan, candidate)
+    return to_deepspeed_config(plan, candidate, optimizer=False)  # configure_optimizers builds it
 
 
 def _strategy_of(method: str, tp: int, *, num_gpus: int, module: Any, package: str,

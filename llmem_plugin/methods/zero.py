@@ -453,9 +453,17 @@ def _optimizer_kind(workload: Workload, config: dict[str, Any] | None, cfg: Zero
     section = (config or {}).get("optimizer")
     if section:
         kind = str(section.get("type", "")).lower()
+        params = section.get("params") or {}
+        # engine.py: getattr(torch.optim, type) for types DeepSpeed does not
+        # name itself; "torch_adam" builds torch.optim.AdamW(foreach=...)
+        # (get_optimizer_configuration), foreach None being foreach on CUDA.
+        if kind in ("sgd", "adafactor") and not cfg.offload_optimizer:
+            return OptimizerKind.SGD if kind == "sgd" else OptimizerKind.ADAFACTOR
         if kind not in ("adam", "adamw"):
             raise UnsupportedError(f"DeepSpeed optimizer type {section.get('type')!r} is not modelled. "
                                    "HINT: use Adam/AdamW or leave the optimizer to the trainer")
+        if params.get("torch_adam") and not cfg.offload_optimizer:
+            return OptimizerKind.ADAMW_FORLOOP if params.get("foreach") is False else OptimizerKind.ADAMW
         return OptimizerKind.ADAMW_FUSED
     if cfg.offload_optimizer and workload.optimizer not in (OptimizerKind.ADAMW, OptimizerKind.ADAMW_FUSED):
         raise UnsupportedError(f"ZeRO-Offload runs DeepSpeedCPUAdam; --optimizer {workload.optimizer.value} is "

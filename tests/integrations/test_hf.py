@@ -236,5 +236,5 @@ def test_autoconfigure_writes_the_deepspeed_config_the_plan_estimated(tmp_path):
         warnings.simplefilter("ignore")
         new = autoconfigure(_model(), args, {"num_gpus": 2, "gpu": "h100-sxm"}, seq_len=SEQ, methods=["zero2"])
     assert new.llmem_plan.choice.method == "zero2"
-    assert json.dumps(new.deepspeed, sort_keys=True) == json.dumps(to_deepspeed_config(new.llmem_plan), sort_keys=True)
+    assert json.dumps(new.deepspeed, sort_keys=True) == json.dumps(to_deepspeed_config(new.llmem_plan, optimizer=False), sort_keys=True)
     assert new.deepspeed["zero_optimization"]["stage"] == 2
