@@ -274,7 +274,7 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
     target = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None) if gpu_memory else gpu
     limit = int(capacity * (1 - margin))
     if method == "single" and num_gpus == 1:
-        est = estimate(live.module, workload, gpu=target)
+        est = estimate(live.module, workload, gpu=target, host_memory="local")  # the job runs on this machine
         pred = Prediction.of(est, workload=workload, model=live.name, config=live.config_dict())
         fits = bool(est.fits) and est.device_total_bytes <= limit
     else:
@@ -302,7 +302,8 @@ def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | N
         workload = dataclasses.replace(workload, lora=live.lora)
     return plan(live.plan_source(), gpu=gpu, gpu_memory=gpu_memory, num_gpus=num_gpus, num_nodes=num_nodes,
                 workload=workload, global_batch=global_batch, margin=margin, methods=methods, tps=tps,
-                micro_batch=micro_batch, grad_checkpointing=grad_checkpointing)
+                micro_batch=micro_batch, grad_checkpointing=grad_checkpointing,
+                host_memory="local")  # the job runs on this machine: its RAM is the node's
 
 
 def report_text(obj: Any, *, gpu: GPU | None = None, width: int = 110) -> str:

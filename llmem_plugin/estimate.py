@@ -121,6 +121,17 @@ class Estimate:
     # Peak of host-resident bytes the step holds (offloaded activations in
     # pinned memory, optimizer step counters); never on the device.
     host_peak_bytes: int = 0
+    # Host RAM the training process needs (host_peak_bytes plus the process'
+    # own baseline, llmem_plugin.host.process_baseline_bytes), the node's RAM
+    # it is checked against, and where that figure comes from.
+    host_bytes: int = 0
+    host_capacity_bytes: int = 0
+    host_memory_source: str = ""
+
+    @property
+    def host_fits(self) -> bool:
+        """The process' host RAM is within the node's (True when no capacity is known)."""
+        return not self.host_capacity_bytes or self.host_bytes <= self.host_capacity_bytes
 
     # GiB (2**30 bytes) views of the byte fields, for reading in a session.
     @property
@@ -195,6 +206,10 @@ class Estimate:
             "paged_bytes": self.paged_bytes,
             "notes": list(self.notes),
             "host_peak_bytes": self.host_peak_bytes,
+            "host_bytes": self.host_bytes,
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "host_memory_source": self.host_memory_source,
+            "host_fits": self.host_fits,
         }
 
 
@@ -471,6 +486,7 @@ def estimate(
     gpu_memory: int | str | None = None,
     alloc_conf: AllocatorConfig | str | None = None,
     torch_version: str | None = None,
+    host_memory: int | str | None = None,
     **workload_fields: Any,
 ) -> Estimate:
     """Trace a fine-tuning step of ``model`` under fake tensors and report its peak.
@@ -497,6 +513,10 @@ def estimate(
             environment's if None.
         torch_version: Torch the job will run, for version-dependent overheads;
             the installed one if None.
+        host_memory: The node's host RAM to check the process' host memory
+            against: bytes, a size string ("64GiB"), "local" (this machine's
+            RAM), or None for the catalog's instance with this GPU
+            (:func:`llmem_plugin.host.resolve_host_memory`).
 
     Returns:
         The :class:`Estimate`.
@@ -515,6 +535,9 @@ def estimate(
 
     check_supported("single", wl)
     target = _resolve_gpu(gpu, gpu_memory)
+    from llmem_plugin.host import process_baseline_bytes, resolve_host_memory
+
+    host_cap = resolve_host_memory(host_memory, gpu=target, gpus_per_node=1)
     cc = target.compute_capability
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     full = modelbuild.build_model(model, wl, device="meta")
@@ -555,6 +578,7 @@ def estimate(
         sim, fits = simulate_trace(result, config, overheads, capacity, timeline_points=_TIMELINE_POINTS)
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
         memory_timeline = sim.timeline
+    host_peak = ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes
     return Estimate(
         model=_describe(model),
         workload=wl,
@@ -580,7 +604,10 @@ def estimate(
         seconds=time.perf_counter() - t0,
         memory_timeline=memory_timeline,
         paged_bytes=paged,
-        host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes,
+        host_peak_bytes=host_peak,
+        host_bytes=host_peak + process_baseline_bytes(),
+        host_capacity_bytes=host_cap.node_bytes,
+        host_memory_source=host_cap.source,
         notes=_notes(model_config, wl) + fast_notes,
     )
 

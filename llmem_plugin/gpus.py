@@ -336,9 +336,9 @@ def host_memory_default(name: str, gpus_per_node: int) -> tuple[int, str]:
     n = max(int(gpus_per_node), 1)
     rows = sorted(entry["instances"], key=lambda r: r[0])
     fit = next((r for r in rows if r[0] >= n), rows[-1])
-    gpus, nbytes, instance = fit
+    gpus, nbytes, instance, url = fit
+    ref = url or entry["host_memory_source"]  # the provider page, else the note (an assumption)
     if gpus == n:
-        return nbytes, f"{instance}, catalog default for {n} x {key} ({entry['host_memory_source']})"
+        return nbytes, f"{instance}, catalog default for {n} x {key}: {ref}"
     share = nbytes * n // gpus
-    return share, (f"{n}/{gpus} of {instance}'s {nbytes / 2**30:g} GiB, catalog default for {n} x {key} "
-                   f"({entry['host_memory_source']})")
+    return share, f"{n}/{gpus} of {instance}'s {nbytes / 2**30:g} GiB, catalog default for {n} x {key}: {ref}"

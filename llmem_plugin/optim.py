@@ -70,7 +70,8 @@ _MIN_8BIT_SIZE = 4096
 # bitsandbytes/optim/optimizer.py (0.50.2), Optimizer2State.init_state:
 # `blocksize = 256`, one fp32 absmax per block of each 8-bit state.
 _BLOCK_SIZE = 256
-# bitsandbytes/functional.py (0.50.2), create_dynamic_map: 256 fp32 entries
+# bitsandbytes/functional.py (0.50.2), create_dynamic_map(total_bits=8):
+# `assert len(data) == 2**total_bits`, `torch.tensor(data, dtype=torch.float32)`: 256 fp32 entries
 # (one per uint8 code) in each quantization map.
 _QMAP_ENTRIES = 256
 # The bitsandbytes release whose internals (get_state_buffer, init_state,

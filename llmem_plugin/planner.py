@@ -49,6 +49,7 @@ from llmem_plugin.cost import (
 )
 from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
 from llmem_plugin.gpus import GPU
+from llmem_plugin.host import HostCapacity, resolve_host_memory
 from llmem_plugin.methods import Layout, MethodEstimate, estimate_method
 from llmem_plugin.tracker import MemoryCategory
 from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Quantization, Workload
@@ -141,7 +142,12 @@ class Candidate:
         time: Predicted step time, by part.
         tokens_per_s: Tokens per second over the whole cluster.
         segments: Bytes at the peak by kind (for the plan picture).
-        host_bytes_per_node: Host RAM the offloaded states need per node.
+        host_bytes_per_node: Host RAM a node needs: one process per GPU, each
+            with its offloaded states, pinned buffers and own baseline
+            (:attr:`MethodEstimate.host_total_bytes_per_node`).
+        host_limit_bytes: The node's host RAM less the margin (0: not checked).
+        host_fits: ``host_bytes_per_node <= host_limit_bytes``; ``fits``
+            holds only when this does too.
     """
 
     method: str
@@ -160,6 +166,8 @@ class Candidate:
     tokens_per_s: float
     segments: dict[str, int] = field(default_factory=dict)
     host_bytes_per_node: int = 0
+    host_limit_bytes: int = 0
+    host_fits: bool = True
 
     @property
     def headroom_bytes(self) -> int:
@@ -197,6 +205,8 @@ class Candidate:
             "time": self.time.to_dict(),
             "segments": dict(self.segments),
             "host_bytes_per_node": self.host_bytes_per_node,
+            "host_limit_bytes": self.host_limit_bytes,
+            "host_fits": self.host_fits,
         }
 
 
@@ -235,6 +245,10 @@ class Plan:
         timings: Seconds by stage: "screen" (the profile and the methods'
             fast-mode runs, over all cores), "verify" (full traces), and
             "suggest" when nothing fits.
+        host_memory: Host RAM per node the plans are checked against, and
+            where the figure comes from (``--host-memory`` or a default).
+        host_refused_bytes: The least host RAM per node among the plans
+            refused for host memory (0: none was).
     """
 
     model: str
@@ -252,6 +266,13 @@ class Plan:
     suggestions: list[Suggestion] = field(default_factory=list)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    host_memory: HostCapacity | None = None
+    host_refused_bytes: int = 0
+
+    @property
+    def host_limit_bytes(self) -> int:
+        """The node's host RAM less the margin (0 when not checked)."""
+        return int(self.host_memory.node_bytes * (1 - self.margin)) if self.host_memory else 0
 
     @property
     def limit_bytes(self) -> int:
@@ -280,6 +301,9 @@ class Plan:
             "suggestions": [s.to_dict() for s in self.suggestions],
             "seconds": round(self.seconds, 3),
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "host_memory": self.host_memory.to_dict() if self.host_memory else None,
+            "host_limit_bytes": self.host_limit_bytes,
+            "host_refused_bytes": self.host_refused_bytes,
         }
 
 
@@ -497,6 +521,7 @@ class _Context:
     efficiency: float
     params: int
     trainable: int
+    host_limit: int = 0  # host RAM per node less the margin; 0: not checked
 
 
 def _micro_batches(per_rank: int, pinned: int | None) -> list[int]:
@@ -570,13 +595,15 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     st = step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
                    network=ctx.network, efficiency=ctx.efficiency)
     act_delta = deltas.get(_BWD, 0.0)
+    host = anchor.host_total_bytes_per_node
+    host_fits = not ctx.host_limit or host <= ctx.host_limit
     return Candidate(
         method=cfg.method, tp=cfg.tp, micro_batch=mb, grad_accum=accum, grad_checkpointing=gc, offload=t.offload,
         device_total_bytes=total, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
-        limit_bytes=ctx.limit, fits=total <= ctx.limit, verified=False, time=st,
+        limit_bytes=ctx.limit, fits=total <= ctx.limit and host_fits, verified=False, time=st,
         tokens_per_s=ctx.global_batch * ctx.workload.seq_len / st.total_s,
         segments=_segments(anchor, allocated, reserved, act_delta),
-        host_bytes_per_node=anchor.host_bytes_per_node,
+        host_bytes_per_node=host, host_limit_bytes=ctx.host_limit, host_fits=host_fits,
     )
 
 
@@ -767,11 +794,13 @@ def _verify(ctx: _Context, c: Candidate) -> Candidate:
     est = _registry_call(_Config(c.method, c.tp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=False)
     w = est.worst
     act_delta = 0.0
+    host = est.host_total_bytes_per_node
+    host_fits = not ctx.host_limit or host <= ctx.host_limit
     return dataclasses.replace(
         c, device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
-        peak_reserved_bytes=w.peak_reserved_bytes, fits=w.device_total_bytes <= ctx.limit and w.fits,
+        peak_reserved_bytes=w.peak_reserved_bytes, fits=w.device_total_bytes <= ctx.limit and w.fits and host_fits,
         verified=True, segments=_segments(est, w.peak_allocated_bytes, w.peak_reserved_bytes, act_delta),
-        host_bytes_per_node=est.host_bytes_per_node,
+        host_bytes_per_node=host, host_limit_bytes=ctx.host_limit, host_fits=host_fits,
     )
 
 
@@ -853,6 +882,7 @@ def plan(
     max_verify: int = 6,
     suggest: bool = True,
     prune: bool = True,
+    host_memory: int | str | None = None,
     _profiles: dict | None = None,
 ) -> Plan:
     """Search the methods for ``model`` on ``num_gpus`` GPUs and pick the fastest that fits.
@@ -880,6 +910,11 @@ def plan(
         prune: Skip tracing a (method, checkpointing) whose step-time lower
             bound cannot beat the fastest fitting candidate found so far;
             off, every candidate is screened (the full table).
+        host_memory: Host RAM per node: bytes, a size string ("2TiB"),
+            "local" (this machine's RAM), or None for the catalog's cloud
+            instance with ``num_gpus / num_nodes`` of this GPU
+            (:func:`llmem_plugin.host.resolve_host_memory`). A candidate
+            whose host memory per node exceeds it less the margin does not fit.
 
     Returns:
         The :class:`Plan`.
@@ -907,9 +942,12 @@ def plan(
     params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
     trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)
     limit = int(target.capacity_bytes * (1 - margin))
+    host_cap = resolve_host_memory(host_memory, gpu=target, gpus_per_node=layout.gpus_per_node)
+    host_limit = int(host_cap.node_bytes * (1 - margin))
     ctx = _Context(model=model, config=config, workload=wl, layout=layout, gpu=target,
                    network=Network.for_gpu(target, inter_node_gbps=inter_node_gbps), global_batch=global_batch,
-                   limit=limit, alloc_conf=alloc_conf, efficiency=efficiency, params=params, trainable=trainable)
+                   limit=limit, alloc_conf=alloc_conf, efficiency=efficiency, params=params, trainable=trainable,
+                   host_limit=host_limit)
     cache = _profiles if _profiles is not None else {}
     pkey = (repr(config.to_dict()) if hasattr(config, "to_dict") else repr(config), wl, target.name)
     profiles = cache.setdefault(pkey, _Profiles(model, wl, target, alloc_conf))
@@ -919,18 +957,23 @@ def plan(
     if not configs:
         # Nothing to search: the reason is the layout, not the memory.
         raise ConfigError(_inapplicable_line(methods or planner_methods(), layout, skipped))
-    todo = []
+    todo, host_needs = [], []
     for cfg in configs:
         lb = _lower_bound(cfg, layout, params, trainable, wl)
+        host_lb = _host_lower_bound(cfg, layout, params, trainable, wl)
         if lb > limit:
             why = f"its parameter and optimizer-state shards alone take {lb / _GIB:.1f} GiB of the " \
                   f"{limit / _GIB:.1f} GiB limit"
             skipped.append((_cfg_label(cfg), why))
+        elif host_lb > host_limit:
+            skipped.append((_cfg_label(cfg), _host_why(host_lb, host_limit, host_cap)))
+            host_needs.append(host_lb)
         else:
             todo.append(cfg)
     t_screen = time.perf_counter()
     search = _Search(ctx, profiles, gcs, micro_batch)
-    search.profile()
+    if todo:  # nothing left to screen: the model's profile is not needed
+        search.profile()
     units, batch_errors = [], []
     for cfg in todo:
         try:
@@ -944,7 +987,7 @@ def plan(
             if need > limit:
                 why = (f"needs at least {need / _GIB:.1f} GiB (states, context and the forward's saved "
                        f"tensors at micro-batch 1) of the {limit / _GIB:.1f} GiB limit")
-                skipped.append((_cfg_label(cfg) + (" +ckpt" if g else ""), why))
+                skipped.append((_unit_label(cfg, g, gcs), why))
             else:
                 units.append((cfg, g))
     if todo and len(batch_errors) == len(todo):
@@ -1016,7 +1059,7 @@ def plan(
     if pending:
         floor = choice.step_time_s if choice is not None else best_time()
         for cfg, g in pending:
-            skipped.append((_cfg_label(cfg) + (" +ckpt" if g else ""),
+            skipped.append((_unit_label(cfg, g, gcs),
                             f"cannot beat {floor:.3g} s per step (at least {bound[(cfg, g)]:.3g} s under the model)"))
     runner = None
     if choice is not None:
@@ -1032,7 +1075,10 @@ def plan(
 
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
                   capacity_bytes=target.capacity_bytes, margin=margin, candidates=candidates, choice=choice,
-                  runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings)
+                  runner_up=runner, why=why, skipped=skipped, seconds=t_end - t0, timings=timings,
+                  host_memory=host_cap,
+                  host_refused_bytes=min([*host_needs, *(c.host_bytes_per_node for c in candidates
+                                                          if not c.host_fits)], default=0))
     if choice is None:
         suggestions = []
         search_note = None
@@ -1040,7 +1086,8 @@ def plan(
             same = {"gpu": gpu, "gpu_memory": gpu_memory, "global_batch": global_batch, "margin": margin,
                     "methods": methods, "tps": tps, "micro_batch": micro_batch,
                     "grad_checkpointing": grad_checkpointing, "alloc_conf": alloc_conf, "efficiency": efficiency,
-                    "inter_node_gbps": inter_node_gbps, "verify": verify, "max_verify": max_verify}
+                    "inter_node_gbps": inter_node_gbps, "verify": verify, "max_verify": max_verify,
+                    "host_memory": host_memory}
             try:
                 suggestions = _suggestions(model, result, same, cache)
             except Exception as e:  # noqa: BLE001 - the verdict stands without them (an adapter must still stop)
@@ -1048,12 +1095,61 @@ def plan(
                 search_note = f"the search for changes that fit failed ({type(e).__name__}: {first})"
         result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0,
                                      timings={**timings, "suggest": time.perf_counter() - t_end})
-        raise WontFitError(_wont_fit_line(result, search_note), plan=result)
+        raise WontFitError(_wont_fit_line(result, search_note) + _host_refusal(result), plan=result)
     return result
 
 
 def _cfg_label(cfg: _Config) -> str:
     return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
+
+
+def _unit_label(cfg: _Config, gc: bool, gcs: list[bool]) -> str:
+    """A (configuration, checkpointing) unit: with both searched, the
+    checkpointing is named either way, so a skipped unit is never read as
+    the whole method (which its other unit may win)."""
+    if len(gcs) < 2:
+        return _cfg_label(cfg)
+    return _cfg_label(cfg) + (" +ckpt" if gc else " without ckpt")
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _host_lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: Workload) -> int:
+    """Host RAM a node needs at least for this kind of method: one process
+    per GPU, each with its baseline (:func:`llmem_plugin.host.process_baseline_bytes`)
+    and, for offload, its shard of the states every engine keeps on the
+    host: 16-bit (fp32 when training in fp32) gradients and the least
+    optimizer-state bytes (:func:`_state_bytes_per_element`), plus the
+    parameter shard when parameters are offloaded too. The methods' own
+    figures are larger (fp32 master weights, pinned rounding); this only
+    screens out what cannot fit before tracing it."""
+    from llmem_plugin.host import process_baseline_bytes
+
+    t = _TRAITS[cfg.method]
+    e = 4 if wl.precision is Precision.FP32 else 2
+    per_rank = process_baseline_bytes()
+    if t.offload:
+        per_rank += trainable * (e + _state_bytes_per_element(wl)) // _shard(t.state_shard, layout, cfg.tp)
+        if t.param_shard == "host":
+            per_rank += params * e // _shard("dp", layout, cfg.tp)
+    return per_rank * layout.gpus_per_node
+
+
+def _host_why(need: int, host_limit: int, cap: HostCapacity) -> str:
+    return (f"needs at least {need / _GIB:.1f} GiB of host RAM per node (offloaded states and one process per "
+            f"GPU) of the {host_limit / _GIB:.1f} GiB host limit ({cap.node_bytes / _GIB:.0f} GiB: {cap.source})")
+
+
+def _host_refusal(p: Plan) -> str:
+    """The host-memory part of a won't-fit message: the smallest host need
+    among the plans refused for it, the node's RAM, and the fixes."""
+    if p.host_memory is None or not p.host_refused_bytes:
+        return ""
+    return (f"; host memory: the plans refused for it need at least {p.host_refused_bytes / _GIB:.1f} GiB of host RAM "
+            f"per node, more than the {p.host_limit_bytes / _GIB:.1f} GiB limit ({p.host_memory.node_bytes / _GIB:.0f}"
+            f" GiB per node: {p.host_memory.source}). HINT: give the node's RAM with --host-memory (e.g. "
+            f"--host-memory 2TiB), spread the job over more nodes (--nodes), or use a method without offload")
 
 
 def _wont_fit_line(p: Plan, search_note: str | None = None) -> str:

@@ -82,6 +82,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if wl.offload_activations is not None:
         console.print(f"pinned host memory ({wl.offload_activations.value} activation offload): "
                       f"{gib(est.host_peak_bytes)} GiB")
+    if est.host_bytes:
+        console.print(_host_line(est.host_bytes, est.host_capacity_bytes, est.host_memory_source,
+                                 what=f"host (CPU) RAM of the process: {gib(est.host_bytes)} GiB "
+                                      f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")
@@ -203,8 +207,33 @@ def render_validation(report: ValidationReport, console: Console) -> None:
                       f"{report.num_stub_exact} of {len(stub)}")
 
 
-def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, console: Console) -> None:
-    """Print one row per distributed method: the worst rank's three numbers and the verdict."""
+def _host_line(need: int, capacity: int, source: str, *, what: str) -> str:
+    """``what`` followed by the node's RAM, where it comes from, and the host verdict."""
+    if not capacity:
+        return what
+    verdict = "fits" if need <= capacity else "does NOT fit"
+    return f"{what}; node RAM {gib(capacity)} GiB ({source}): {verdict}"
+
+
+def _method_host(est, host) -> str:
+    """One method's host RAM per node, by part, against the node's RAM."""
+    w = max(est.ranks, key=lambda r: r.host_total_bytes)
+    parts = [f"{gib(w.host_bytes)} offloaded/pinned"] if w.host_bytes else []
+    parts += [f"{gib(v)} {k.replace('_', ' ')}" for k, v in w.host_overheads.items()]
+    n = est.layout.gpus_per_node
+    what = (f"{est.method}: host (CPU) RAM {gib(est.host_total_bytes_per_node)} GiB per node "
+            f"({n} process{'es' if n > 1 else ''} x {gib(w.host_total_bytes)} GiB: {', '.join(parts)})")
+    return _host_line(est.host_total_bytes_per_node, host.node_bytes if host else 0, host.source if host else "",
+                      what=what)
+
+
+def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, console: Console, host=None) -> None:
+    """Print one row per distributed method: the worst rank's three numbers and the verdict.
+
+    Args:
+        host: The node's :class:`llmem_plugin.host.HostCapacity` to check each
+            method's host RAM per node against (None: shown, not checked).
+    """
     table = Table(title=f"per rank on {gpu.name} ({gib(gpu.capacity_bytes)} GiB); GiB", title_justify="left")
     for col in ("method", "gpus", "tp", "rank", "allocated", "reserved", "device total", "fits",
                 "comm/step intra", "inter"):
@@ -218,8 +247,7 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
                       style=None if fits else "red")
     console.print(table)
     for est in rows:
-        if est.host_bytes_per_node:
-            console.print(f"{est.method}: {gib(est.host_bytes_per_node)} GiB of host (CPU) RAM per node: offloaded or pinned copies")
+        console.print(_method_host(est, host))
         for note in est.notes:
             console.print(f"{est.method}: {note}")
     for name, why in skipped:
@@ -247,10 +275,14 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
         f"{wl.precision.value}, {wl.optimizer.value}{lora}; limit {gib(plan.limit_bytes)} GiB per GPU "
         f"({gib(plan.capacity_bytes)} GiB less a {100 * plan.margin:g}% margin)"
     )
+    host = getattr(plan, "host_memory", None)
+    if host is not None:
+        console.print(f"host (CPU) RAM: {gib(host.node_bytes)} GiB per node ({host.source}); limit "
+                      f"{gib(plan.host_limit_bytes)} GiB per node")
     table = Table()
     for name, justify in (("", "left"), ("method", "left"), ("tp", "right"), ("micro", "right"),
                           ("accum", "right"), ("ckpt", "left"), ("offload", "left"),
-                          ("GiB/GPU", "right"), ("free GiB", "right"), ("step s", "right"),
+                          ("GiB/GPU", "right"), ("free GiB", "right"), ("host GiB/node", "right"), ("step s", "right"),
                           ("tokens/s", "right"), ("memory", "left")):
         table.add_column(name, justify=justify)
     for c in _plan_rows(plan, show_all):
@@ -258,15 +290,26 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
         table.add_row(
             "*" if chosen else ("" if c.fits else "x"),
             c.method, str(c.tp), str(c.micro_batch), str(c.grad_accum), "yes" if c.grad_checkpointing else "",
-            c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes), f"{c.step_time_s:.3g}",
+            c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes),
+            gib(c.host_bytes_per_node) + ("" if c.host_fits else " (over)"), f"{c.step_time_s:.3g}",
             f"{c.tokens_per_s:,.0f}", "traced" if c.verified else "screened",
             style="bold green" if chosen else (None if c.fits else "dim"),
         )
     console.print(table)
     if plan.choice is not None:
         console.print(f"choice: {plan.why}")
+        if host is not None:
+            c = plan.choice
+            console.print(f"host memory of the choice: {gib(c.host_bytes_per_node)} GiB per node "
+                          f"({plan.layout.gpus_per_node} process{'es' if plan.layout.gpus_per_node > 1 else ''}: "
+                          f"offloaded states, pinned buffers, framework and CUDA context) of the "
+                          f"{gib(plan.host_limit_bytes)} GiB host limit")
     else:
         console.print("nothing fits.")
+        if getattr(plan, "host_refused_bytes", 0):
+            console.print(f"  host memory: the plans refused for it need at least {gib(plan.host_refused_bytes)} GiB "
+                          f"per node, over the {gib(plan.host_limit_bytes)} GiB host limit; give the node's RAM with "
+                          "--host-memory, use more nodes, or a method without offload")
         for s in plan.suggestions:
             c = s.choice
             console.print(f"  fits with {s.change}: {c.label()}, {gib(c.device_total_bytes)} GiB per GPU, "
