@@ -285,3 +285,40 @@ def test_without_bitsandbytes_gpt2_is_estimated_with_an_8bit_optimizer(no_bitsan
     states += sum(2 * round_allocation(4 * p.numel()) for p in params if p.numel() < 4096)
     states += 2 * round_allocation(4 * 256)
     assert est.breakdown[C.OPTIMIZER_STATE] == states
+
+
+@needs_bnb
+@pytest.mark.parametrize("kind", BNB_KINDS)
+def test_the_stand_in_keeps_the_states_of_a_real_bitsandbytes_step(kind, monkeypatch):
+    """State for state, the stand-in (on fake tensors) keeps what bitsandbytes'
+    own optimizer keeps after a real CPU step: same keys, shapes and dtypes."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = [(500, 300), (64, 64), (40, 50), (10,)]  # above and below min_8bit_size and the paging threshold
+    ref_cls = {"adamw8bit": bnb.optim.AdamW8bit, "paged-adamw": bnb.optim.PagedAdamW,
+               "paged-adamw8bit": bnb.optim.PagedAdamW8bit}[kind]
+    real = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    ref = ref_cls(real, lr=1e-3)
+    for p in real:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bitsandbytes: "Paged optimizers are not supported on CPU"
+        ref.step()
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with FakeTensorMode():
+        fake = [torch.nn.Parameter(torch.empty(*s)) for s in shapes]
+        ours = make_bnb_optimizer(fake, OptimizerKind(kind), lr=1e-3)
+        assert type(ours).__name__ == "_LayoutOptimizer"
+        for p in fake:
+            p.grad = torch.empty_like(p)
+        ours.step()
+    for p, q in zip(fake, real):
+        a, b = ours.state[p], ref.state[q]
+        assert list(a) == list(b)
+        for key in a:
+            if isinstance(b[key], torch.Tensor):
+                assert (tuple(a[key].shape), a[key].dtype) == (tuple(b[key].shape), b[key].dtype), key
+            else:
+                assert a[key] == b[key] == 1, key
