@@ -13,6 +13,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -90,8 +91,18 @@ def estimate_method(
     if mod == "single":
         return fn(model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, fast=True, **{**settings, **options})
-    return extrapolated(model, run, capacity_bytes=gpu.capacity_bytes,
-                        min_layers=_FAST_MIN_LAYERS.get(mod, 2))
+    est = extrapolated(model, run, capacity_bytes=gpu.capacity_bytes, min_layers=_FAST_MIN_LAYERS.get(mod, 2))
+    if mod == "zero" and est.worst.host_bytes:
+        # DeepSpeed's offload buffers are whole-model flat buffers: their
+        # pinned rounding is not affine in depth; take the full depth's host figures.
+        from llmem_plugin.methods.base import host_overheads
+        from llmem_plugin.methods.zero import host_memory
+
+        host, rounding = host_memory(model, workload, layout=layout, **{**settings, **options},
+                                     rank=est.worst.rank)
+        rank = dataclasses.replace(est.worst, host_bytes=host, host_overheads=host_overheads(rounding))
+        est = dataclasses.replace(est, ranks=[rank])
+    return est
 
 
 # Shortest model the fast mode traces, per method family. Measured on

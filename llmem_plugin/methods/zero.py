@@ -567,6 +567,19 @@ def model_states(
                    workload.grad_accum_steps)
 
 
+def host_memory(model: Any, workload: Workload, *, layout: Layout, stage: int = 3, offload_optimizer: bool = False,
+                offload_param: bool = False, config: dict[str, Any] | None = None, rank: int = 0,
+                **_: Any) -> tuple[int, int]:
+    """(host bytes, pinned rounding bytes) of ``rank`` at the model's full
+    depth, from DeepSpeed's partitioning rules alone (no trace). The fast
+    mode's depth extrapolation cannot give the rounding: it is a power of two
+    of whole-model flat buffers, not affine in the layer count.
+    """
+    meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
+    plan = _plan(meta, cfg=cfg, dp=layout.dp, rank=rank, dtype=dtype, optimizer=kind)
+    return _states(plan, workload.grad_accum_steps).host_bytes, _pinned_rounding(plan, workload.grad_accum_steps)
+
+
 def estimate(
     model: Any, workload: Workload, *, layout: Layout, gpu: GPU, alloc_conf: Any = None,
     torch_version: str | None = None, preset: str = "zero3", stage: int = 3, offload_optimizer: bool = False,

@@ -209,3 +209,15 @@ def test_unit_labels_name_the_checkpointing():
     assert _unit_label(_Config("zero3-offload", 1), False, [False, True]) == "zero3-offload without ckpt"
     assert _unit_label(_Config("zero3-offload", 1), True, [False, True]) == "zero3-offload +ckpt"
     assert _unit_label(_Config("fsdp", 1), False, [False]) == "fsdp"
+
+
+def test_fast_mode_takes_zero_offload_host_at_full_depth():
+    # DeepSpeed's pinned buffers are whole-model flat buffers: a power of two of
+    # their size is not affine in depth, so the fast mode must not extrapolate it.
+    cfg = tiny_config("llama", num_hidden_layers=7)
+    kw = {"layout": Layout(num_gpus=2), "gpu": get_gpu("a10g")}
+    fast = estimate_method("zero3-offload", cfg, WL, fast=True, **kw)
+    full = estimate_method("zero3-offload", cfg, WL, **kw)
+    assert "fast: extrapolated" in fast.notes[-1]
+    assert fast.worst.host_bytes == full.worst.host_bytes
+    assert fast.worst.host_overheads == full.worst.host_overheads
