@@ -368,3 +368,26 @@ def test_two_cpu_ranks_match_the_estimate_when_gradients_are_freed_after_the_ste
         assert abs(err) <= 3.0, err
     rank0 = next(p for p in printed if p["rank"] == 0)
     assert set(rank0["metrics"]) == {"llmem/predicted_peak_gib", "llmem/actual_peak_gib", "llmem/error_pct"}
+
+
+def test_compare_after_one_step_waits_for_the_first_steady_state_step(tmp_path):
+    """Step 1 runs without the optimizer states its step() creates; the
+    estimate is the steady state, so the comparison is made after step 2."""
+    ex = _example()
+    pl.seed_everything(0, verbose=False)
+    module = ex.CausalLM(ex.tiny_llama())
+    data = torch.utils.data.DataLoader(ex.RandomTokens(num_samples=16, seq_len=32, vocab_size=512), batch_size=2)
+    trainer = pl.Trainer(strategy=LLMemAutoStrategy(gpu="h100-sxm", compare_after_steps=1), accelerator="cpu",
+                         devices=1, max_steps=3, default_root_dir=str(tmp_path), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    (meter,) = [c for c in trainer.callbacks if type(c).__name__ == "LLMemVerify"]
+    steps = meter.comparison.measurement.steps
+    assert [s["step"] for s in steps] == [1, 2]
+    pred = meter.comparison.prediction.tensor_bytes
+    assert steps[0]["allocated_bytes"] < pred  # what a step-1 comparison would have reported as an error
+    # step 2 holds what the estimate predicts plus, as in the one-device test
+    # above, the Dataset's token tensor and self.log("loss")'s four scalars
+    assert steps[1]["allocated_bytes"] - pred == -(-16 * 32 * 8 // 512) * 512 + 4 * 512
+    (row,) = _rows(tmp_path)
+    assert row["predicted"]["tensor_bytes"] == meter.comparison.prediction.tensor_bytes
