@@ -1,12 +1,61 @@
 """llmem_plugin: the peak GPU memory of a fine-tuning step, before it runs."""
 
-from llmem_plugin.allocator_config import AllocatorConfig
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError, WontFitError
-from llmem_plugin.estimate import Estimate, estimate
-from llmem_plugin.gpus import GPU, get_gpu
-from llmem_plugin.planner import Candidate, Plan, plan
-from llmem_plugin.tracker import MemoryCategory, Phase
-from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
+
+if TYPE_CHECKING:
+    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.estimate import Estimate, estimate
+    from llmem_plugin.gpus import GPU, get_gpu
+    from llmem_plugin.planner import Candidate, Plan, plan
+    from llmem_plugin.tracker import MemoryCategory, Phase
+    from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
+
+# The names below load their module on first use (PEP 562), so that importing
+# the package, as `llmem --help` does, does not import torch.
+_LAZY = {
+    "AllocatorConfig": "allocator_config",
+    "Estimate": "estimate",
+    "estimate": "estimate",
+    "GPU": "gpus",
+    "get_gpu": "gpus",
+    "Candidate": "planner",
+    "Plan": "planner",
+    "plan": "planner",
+    "MemoryCategory": "tracker",
+    "Phase": "tracker",
+    "AttentionImpl": "workload",
+    "LoraSpec": "workload",
+    "OptimizerKind": "workload",
+    "Precision": "workload",
+    "Workload": "workload",
+}
+
+
+class _Package(types.ModuleType):
+    """The package module: importing the submodule ``llmem_plugin.estimate``
+    must not replace the ``estimate`` function the package exports."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "estimate" and isinstance(value, types.ModuleType):
+            value = value.estimate
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmem_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"llmem_plugin.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "estimate",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -17,19 +18,104 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_WONT_FIT", "main"]
 EXIT_BAD_INPUT = 2
 EXIT_WONT_FIT = 3
 
+# Bounds of the numeric options, each with its reason. Tokens per micro-batch
+# (seq_len x batch) stay at or below _MAX_TOKENS, beyond the longest context of
+# any released model (Llama 4 Scout: 10M tokens), so that with the config
+# bounds of modelbuild.check_config every traced tensor's byte size fits
+# torch's int64 sizes (2**24 tokens x 2**24 vocabulary x 4 bytes = 2**50).
+_MAX_TOKENS = 2**24
+_MAX_BATCH = 2**16
+# Every micro-step of the accumulation window is traced, so the run time grows
+# with it; 1024 covers a 1024-sequence global batch at micro-batch 1 on one GPU.
+_MAX_GRAD_ACCUM = 1024
+# 2**20 GPUs is ten times the largest training clusters reported (about 100k).
+_MAX_GPUS = 2**20
+# A LoRA rank above the adapted layer's width adds nothing (the update is
+# full-rank there); the widest catalog layer (llama-3.1-405b's MLP) is 53248.
+_MAX_LORA_RANK = 2**16
+# Tensor-parallel degrees stay inside one node (methods/layout.py); 72 is the
+# largest NVLink domain sold (GB200 NVL72).
+_MAX_TP = 72
+# Torch versions whose overheads are modelled: pyproject's floor (torch>=2.6)
+# to the installed line read for the allocator and workspaces
+# (docs/allocator.md: cuBLAS workspace rows cover 2.6 to 2.13).
+_TORCH_VERSIONS = ((2, 6), (2, 13))
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line ending with a HINT."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        if "HINT" not in message:
+            message = f"{message}. HINT: run '{self.prog} --help' for the options"
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _int_arg(flag: str, low: int, high: int, why: str):
+    """An argparse type: an integer in [low, high]; ``why`` says where the bound comes from."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an integer. HINT: pass {flag} N with {low} <= N <= {high}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{value} is outside [{low}, {high}] ({why}). HINT: pass {flag} N with {low} <= N <= {high}")
+        return value
+
+    return parse
+
+
+def _float_arg(flag: str, low: float, high: float, *, low_open: bool = False, high_open: bool = False,
+               example: str = "1"):
+    """An argparse type: a finite float in the given interval (NaN and infinities refused)."""
+    lb, hb = "(" if low_open else "[", ")" if high_open else "]"
+    interval = f"{lb}{low:g}, {high:g}{hb}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number. HINT: e.g. {flag} {example}") from None
+        ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"{text} is outside {interval}. HINT: pass {flag} with a value in {interval}, e.g. {example}")
+        return value
+
+    return parse
+
+
+_SEQ_LEN = _int_arg("--seq-len", 1, _MAX_TOKENS, "tokens per sequence; longer than any model's context")
+_BATCH = _int_arg("--batch-size", 1, _MAX_BATCH, "sequences per micro-batch")
+_MICRO_BATCH = _int_arg("--micro-batch", 1, _MAX_BATCH, "sequences per micro-batch")
+_GLOBAL_BATCH = _int_arg("--global-batch", 1, _MAX_BATCH * _MAX_GRAD_ACCUM, "micro-batch bound x accumulation bound")
+_GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "every micro-step is traced")
+_GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "ten times the largest clusters")
+_NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
+_TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
+_LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
+_LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
+_LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every token; 0 keeps all")
+
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
+    p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
+    p.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
     p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     _add_step_args(p)
 
 
 def _add_step_args(p: argparse.ArgumentParser) -> None:
     """Workload settings the planner keeps as the user set them."""
-    p.add_argument("--precision", default="bf16-mixed", help="fp32, bf16-mixed (default), fp16-mixed or bf16")
+    p.add_argument("--precision", default=None,
+                   help="fp32, bf16-mixed, fp16-mixed or bf16 (default: bf16-mixed; bf16 for MoE models whose "
+                        "experts run grouped_mm, which takes bf16 weights only; the choice is printed)")
     p.add_argument("--optimizer", default="adamw",
                    help="adamw (foreach, default), adamw-fused, adamw-forloop, sgd, adafactor, and bitsandbytes' "
                         "adamw8bit, paged-adamw or paged-adamw8bit")
@@ -42,8 +128,8 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default="hf", metavar="{hf,liger,chunked}",
                    help="loss: hf (the model's own, fp32 logits; default), liger (fused linear cross-entropy) "
                         "or chunked (torchtune's chunked-output cross-entropy)")
-    p.add_argument("--loss-chunks", type=int, default=8, help="chunks for --loss chunked (default 8)")
-    p.add_argument("--logits-to-keep", type=int, default=0,
+    p.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
+    p.add_argument("--logits-to-keep", type=_LOGITS_TO_KEEP, default=0,
                    help="compute logits and loss for only the last N tokens (default 0: all)")
     p.add_argument("--offload-activations", nargs="?", const="streamed", default=None,
                    metavar="{streamed,save-on-cpu}",
@@ -51,17 +137,24 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "OffloadActivations, the default when given bare) or save-on-cpu (torch.autograd.graph)")
     p.add_argument("--reference-model", action="store_true",
                    help="also run a frozen reference model's forward each step, as DPO does")
-    p.add_argument("--lora-rank", type=int, default=None, help="enable LoRA with this rank")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--lora-rank", type=_LORA_RANK, default=None, help="enable LoRA with this rank")
+    p.add_argument("--lora-alpha", type=_float_arg("--lora-alpha", 0, 1e6, low_open=True, example="32"), default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--lora-targets", default=None,
                    help="comma-separated module names (default q_proj,k_proj,v_proj,o_proj), or all-linear")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    p.add_argument("--lora-dropout", type=_float_arg("--lora-dropout", 0, 1, high_open=True, example="0.05"),
+                   default=None, help="LoRA dropout (default 0)")
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default=None, help="GPU from `llmem gpus` (default h100-sxm)")
     p.add_argument("--gpu-memory", default=None,
                    help="override the GPU's capacity, e.g. 80GiB, 40GB, 81920MiB, or a number of GiB")
+
+
+def _add_host_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host (CPU) RAM per node, e.g. 2TiB, 768GiB or 1152GB, or 'local' for this machine's "
+                        "(default: the catalog's cloud instance with these GPUs, printed with the report)")
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -83,14 +176,25 @@ def _lora(args: argparse.Namespace):
 
     lora = None
     if args.lora_rank is not None:
-        kw = {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout}
-        if args.lora_targets:
-            kw["target_modules"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-        lora = LoraSpec(**kw)
-    elif args.lora_targets or args.lora_alpha is not None:
-        from llmem_plugin.errors import ConfigError
+        kw = {"rank": args.lora_rank, "alpha": args.lora_alpha,
+              "dropout": 0.0 if args.lora_dropout is None else args.lora_dropout}
+        if args.lora_targets is not None:
+            targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+            if not targets or any(not t.replace("_", "").replace(".", "").replace("-", "").isalnum()
+                                  for t in targets):
+                from llmem_plugin.errors import ConfigError
 
-        raise ConfigError("--lora-targets/--lora-alpha need --lora-rank. HINT: add --lora-rank 16")
+                raise ConfigError(f"--lora-targets {args.lora_targets!r} is not a comma-separated list of module "
+                                  "names. HINT: e.g. --lora-targets q_proj,v_proj, or all-linear")
+            kw["target_modules"] = targets
+        lora = LoraSpec(**kw)
+    else:
+        given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha),
+                                          ("--lora-dropout", args.lora_dropout)) if value is not None]
+        if given:
+            from llmem_plugin.errors import ConfigError
+
+            raise ConfigError(f"{'/'.join(given)} set LoRA options, but LoRA is off. HINT: add --lora-rank 16")
     return lora
 
 
@@ -117,11 +221,108 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "quantize": args.quantize,
         "double_quant": args.double_quant,
         "loss": args.loss,
-        "loss_chunks": args.loss_chunks,
+        "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
         "logits_to_keep": args.logits_to_keep,
         "offload_activations": args.offload_activations,
         "reference_model": args.reference_model,
     }
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad or contradictory options before anything is built or traced.
+
+    Raises:
+        ConfigError: The first bad option, named, with its fix.
+    """
+    from llmem_plugin.errors import ConfigError
+
+    if getattr(args, "loss_chunks", None) is not None and args.loss != "chunked":
+        raise ConfigError(f"--loss-chunks {args.loss_chunks} applies to --loss chunked only, not --loss {args.loss}. "
+                          "HINT: add --loss chunked, or drop --loss-chunks")
+    if getattr(args, "torch_version", None) is not None:
+        _check_torch_version(args.torch_version)
+    if getattr(args, "gpu", None) is not None:
+        from llmem_plugin.gpus import get_gpu
+
+        get_gpu(args.gpu)
+    if getattr(args, "gpu_memory", None) is not None:
+        _check_gpu_memory(args.gpu_memory)
+    if args.command == "plan":
+        _csv(args.methods)
+        _csv(args.tp, _TP)
+    if getattr(args, "plot", None):
+        _check_output_path(args.plot, "--plot", suffixes=(".png", ".svg", ".pdf"))
+    if hasattr(args, "lora_rank"):
+        _lora(args)  # LoRA options without LoRA, malformed targets
+    seq_len = getattr(args, "seq_len", None)
+    tokens = seq_len * max(getattr(args, "batch_size", 1) or 1, getattr(args, "micro_batch", None) or 1) \
+        if seq_len else 0
+    if tokens > _MAX_TOKENS:
+        raise ConfigError(f"--seq-len {seq_len} x micro-batch is {tokens:,} tokens per micro-batch, above the "
+                          f"{_MAX_TOKENS:,} modelled (beyond any model's context). HINT: lower --batch-size or --seq-len")
+
+
+# --gpu-memory bounds: 1 MiB holds not even one cuBLAS workspace (8 MiB,
+# overheads.py); 16 TiB is far above the largest GPU (B300: 288 GB).
+_GPU_MEMORY_BOUNDS = (2**20, 2**44)
+
+
+def _check_gpu_memory(text: str) -> None:
+    from llmem_plugin.errors import ConfigError
+    from llmem_plugin.gpus import parse_memory
+
+    try:
+        nbytes = parse_memory(text)
+    except ConfigError as e:
+        raise ConfigError(f"--gpu-memory: {e}") from None
+    low, high = _GPU_MEMORY_BOUNDS
+    if not low <= nbytes <= high:
+        raise ConfigError(f"--gpu-memory {text!r} is {nbytes:,} bytes, outside 1 MiB to 16 TiB (a GPU's memory). "
+                          "HINT: e.g. --gpu-memory 80GiB")
+
+
+def _check_torch_version(text: str) -> None:
+    import re
+
+    from llmem_plugin.errors import ConfigError
+
+    low, high = (".".join(map(str, v)) for v in _TORCH_VERSIONS)
+    m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})(?:\.\d{1,3})?(?:[+.a-z0-9]*)?", text.strip(), re.IGNORECASE)
+    if m is None:
+        raise ConfigError(f"--torch-version {text!r} is not a torch version. HINT: e.g. --torch-version 2.13.0 "
+                          f"(modelled: {low} to {high})")
+    if not _TORCH_VERSIONS[0] <= (int(m.group(1)), int(m.group(2))) <= _TORCH_VERSIONS[1]:
+        raise ConfigError(f"--torch-version {text} is outside the modelled range {low} to {high}: its allocator "
+                          f"and workspace sizes are not modelled. HINT: pass a version from {low} to {high}")
+
+
+def _check_output_path(path: str, flag: str, *, suffixes: tuple[str, ...]) -> None:
+    """Refuse an output file that cannot be written, before the work that fills it."""
+    import os
+
+    from llmem_plugin.errors import ConfigError
+
+    if "\0" in path:
+        raise ConfigError(f"{flag} {path!r} holds a NUL byte. HINT: pass a file name such as memory.png")
+    if not path.lower().endswith(suffixes):
+        raise ConfigError(f"{flag} {path!r} has no known image suffix. HINT: end it with {', '.join(suffixes)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path!r}: folder {folder} does not exist. HINT: create it, or write elsewhere")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path!r} cannot be written. HINT: pass a writable file path")
+
+
+def _choose_precision(args: argparse.Namespace) -> None:
+    """Fill a ``--precision`` left out with the model's default, and say so when it is not bf16-mixed."""
+    if args.precision is not None:
+        return
+    from llmem_plugin.modelbuild import default_precision
+
+    args.precision, why = default_precision(args.model)
+    if why:
+        print(f"llmem: precision {args.precision} (the default for this model: {why}); pass --precision to "
+              "choose another", file=sys.stderr)
 
 
 def _parser_estimate(sub) -> None:
@@ -131,9 +332,9 @@ def _parser_estimate(sub) -> None:
     p.add_argument("--method", default=None,
                    help="distributed method (`--method help` lists them), or 'all' for every one that "
                         "applies (the default when --gpus/--tp/--nodes/--offload is given); default: one GPU")
-    p.add_argument("--gpus", type=int, default=None, help="world size: GPUs over all nodes (default 1)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, inside a node (default 1)")
+    p.add_argument("--gpus", type=_GPUS, default=None, help="world size: GPUs over all nodes (default 1)")
+    p.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
+    p.add_argument("--tp", type=_TP, default=None, help="tensor-parallel degree, inside a node (default 1)")
     p.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="CPU offload: optimizer states, or parameters too (ZeRO, FSDP)")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -142,6 +343,7 @@ def _parser_estimate(sub) -> None:
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    _add_host_arg(p)
     p.set_defaults(func=_cmd_estimate)
 
 
@@ -149,7 +351,6 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     from llmem_plugin.errors import ConfigError, LLMemError
     from llmem_plugin.methods import Layout, estimate_method, method_names
 
-    layout = Layout(num_gpus=1 if args.gpus is None else args.gpus, num_nodes=args.nodes, tp=args.tp)
     names = method_names()
     if args.method == "help":
         print("methods: " + ", ".join([*names, "all"]))
@@ -157,33 +358,43 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     if args.method != "all" and args.method not in names:
         raise ConfigError(f"unknown method '{args.method}'; valid: {', '.join([*names, 'all'])}. "
                           "HINT: pass --method with one of them")
+    num_gpus = 1 if args.gpus is None else args.gpus
+    layout = Layout(num_gpus=num_gpus, num_nodes=args.nodes, tp=1 if args.tp is None else args.tp)
     options = {}
     if args.offload:
         options = {"offload_optimizer": True, "offload_param": args.offload == "params", "cpu_offload": True}
     if args.sequence_parallel and args.method not in (*_TP_METHODS, "all"):
         raise ConfigError(f"--sequence-parallel needs a tensor-parallel method, not --method {args.method}. "
                           f"HINT: use one of {', '.join(_TP_METHODS)}")
+    if args.offload and args.method != "all" and args.method not in _OFFLOAD_METHODS:
+        raise ConfigError(f"--offload is not modelled for --method {args.method}. HINT: use one of "
+                          f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
+    _choose_precision(args)
     gpu, wl = _gpu(args), _workload(args)
+    from llmem_plugin.host import resolve_host_memory
+
+    host = resolve_host_memory(args.host_memory, gpu=gpu, gpus_per_node=layout.gpus_per_node)
     rows, skipped = [], []
-    for name in names if args.method == "all" else [args.method]:
+    for name, lay in _method_layouts(args, names, layout):
         if args.offload and name not in _OFFLOAD_METHODS:
-            if args.method != "all":
-                raise ConfigError(f"--offload is not modelled for --method {name}. HINT: use one of "
-                                  f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
             skipped.append((name, "no CPU offload"))
             continue
         extra = {"sequence_parallel": True} if args.sequence_parallel and name in _TP_METHODS else {}
         try:
-            est = estimate_method(name, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,
+            est = estimate_method(name, args.model, wl, layout=lay, gpu=gpu, alloc_conf=args.alloc_conf,
                                   torch_version=args.torch_version, **options, **extra)
         except LLMemError as e:
             if args.method != "all":
                 raise
-            skipped.append((name, str(e).split(". HINT")[0]))
+            skipped.append((name if lay.tp == 1 else f"{name} tp{lay.tp}", str(e).split(". HINT")[0]))
             continue
         rows.append(est)
+    if not rows:
+        raise ConfigError(f"no method applies to {num_gpus} GPU(s): {skipped[0][0]}: {skipped[0][1]}. "
+                          "HINT: see `llmem estimate --method help`, or change --gpus/--tp/--offload")
     if args.json:
         print(json.dumps({"gpu": gpu.name, "capacity_bytes": gpu.capacity_bytes, "layout": layout.to_dict(),
+                          "host_memory": host.to_dict(),
                           "methods": [r.to_dict() for r in rows],
                           "skipped": [{"method": n, "reason": why} for n, why in skipped]}))
     else:
@@ -191,34 +402,72 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
         from llmem_plugin.report import render_methods
 
-        render_methods(rows, skipped, gpu, Console())
+        render_methods(rows, skipped, gpu, Console(), host=host)
+    if not any(all(r.fits for r in est.ranks) for est in rows):
+        what = f"--method {args.method}" if args.method != "all" else "no method"
+        print(f"llmem: {what} fits {num_gpus} x {gpu.name} ({gpu.capacity_bytes / 2**30:.1f} GiB each); exit code "
+              f"{EXIT_WONT_FIT}. HINT: `llmem plan` searches micro-batch, checkpointing and offload for a fit",
+              file=sys.stderr)
+        return EXIT_WONT_FIT
+    on_gpu = [est for est in rows if all(r.fits for r in est.ranks)]  # not empty here
+    if not any(est.host_total_bytes_per_node <= host.node_bytes for est in on_gpu):
+        print(_host_misfit(min(est.host_total_bytes_per_node for est in on_gpu), host.node_bytes, host.source),
+              file=sys.stderr)
+        return EXIT_WONT_FIT
     return 0
 
 
 _TP_METHODS = ("tp", "dp-tp", "fsdp-tp")
+# Methods whose layout has a tensor-parallel degree of 2 or more: with
+# --method all and no --tp, each is tried at every degree that divides a node.
+_TP_DEGREE_METHODS = (*_TP_METHODS, "hybrid")
 # Methods that model CPU offload (ZeRO's offload_optimizer/offload_param, FSDP2's CPUOffloadPolicy).
 _OFFLOAD_METHODS = ("fsdp", "hsdp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
 
 
+def _method_layouts(args: argparse.Namespace, names: list[str], layout):
+    """(method, layout) pairs to estimate: the user's --tp, or for 'all' without
+    --tp every tensor-parallel degree > 1 that divides a node's GPUs for the TP methods."""
+    import dataclasses
+
+    if args.method != "all":
+        return [(args.method, layout)]
+    if args.tp is not None:
+        return [(name, layout) for name in names]
+    degrees = [d for d in range(2, min(layout.gpus_per_node, _MAX_TP) + 1) if layout.gpus_per_node % d == 0]
+    pairs = []
+    for name in names:
+        if name in _TP_DEGREE_METHODS:
+            pairs += [(name, dataclasses.replace(layout, tp=d)) for d in degrees]
+            if not degrees:
+                pairs.append((name, layout))  # refused with its reason (one GPU per node)
+        else:
+            pairs.append((name, layout))
+    return pairs
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from llmem_plugin.estimate import estimate
+    from llmem_plugin.errors import ConfigError
 
-    if args.method is not None or args.gpus not in (None, 1) or args.tp != 1 or args.nodes != 1 or args.offload:
+    if args.method is not None or args.gpus not in (None, 1) or args.tp not in (None, 1) or args.nodes != 1 \
+            or args.offload:
         if args.plot:
-            from llmem_plugin.errors import ConfigError
-
             raise ConfigError("--plot draws the single-GPU step. HINT: drop --method/--gpus/--tp/--nodes/--offload, "
                               "or use `llmem plan --plot` for the methods")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _cmd_methods(args)
-
+    if args.sequence_parallel:
+        raise ConfigError("--sequence-parallel needs a tensor-parallel method. HINT: add --method tp --gpus 2 --tp 2, "
+                          "or drop --sequence-parallel")
     if args.plot and args.fast:
-        from llmem_plugin.errors import ConfigError
-
         raise ConfigError("--plot needs the full trace's timeline, which --fast does not keep. HINT: drop --fast")
-    est = estimate(args.model, _workload(args), fast=args.fast, gpu=_gpu(args), alloc_conf=args.alloc_conf,
-                   torch_version=args.torch_version)
+    from llmem_plugin.estimate import estimate
+
+    _choose_precision(args)
+    gpu, wl = _gpu(args), _workload(args)
+    est = estimate(args.model, wl, fast=args.fast, gpu=gpu, alloc_conf=args.alloc_conf,
+                   torch_version=args.torch_version, host_memory=args.host_memory)
     if args.plot:
         from llmem_plugin.plot import plot_estimate
 
@@ -231,29 +480,43 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         from llmem_plugin.report import render_estimate
 
         render_estimate(est, Console())
+    if not est.fits:
+        print(f"llmem: the step does not fit the {gpu.name} ({est.capacity_bytes / 2**30:.1f} GiB); exit code "
+              f"{EXIT_WONT_FIT}. HINT: `llmem plan` searches methods, micro-batch, checkpointing and offload for "
+              "a fit", file=sys.stderr)
+        return EXIT_WONT_FIT
+    if not est.host_fits:
+        print(_host_misfit(est.host_bytes, est.host_capacity_bytes, est.host_memory_source), file=sys.stderr)
+        return EXIT_WONT_FIT
     return 0
+
+
+def _host_misfit(need: int, capacity: int, source: str) -> str:
+    return (f"llmem: host memory does not fit: {need / 2**30:.1f} GiB of host (CPU) RAM per node needed, "
+            f"{capacity / 2**30:.1f} GiB there ({source}); exit code {EXIT_WONT_FIT}. HINT: give the node's RAM "
+            "with --host-memory, spread the job over more nodes, or drop CPU offload")
 
 
 def _parser_plan(sub) -> None:
     p = sub.add_parser("plan", help="pick the fastest fine-tuning method that fits the GPUs, or say why none does")
     p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs over all nodes (default: this machine's)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus", type=_GPUS, default=None, help="GPUs over all nodes (default: this machine's)")
+    p.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
     _add_gpu_args(p)
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--global-batch", type=_GLOBAL_BATCH, default=None,
                    help="sequences per optimizer step over all GPUs (default 8 per GPU)")
-    p.add_argument("--margin", type=float, default=None, help="fraction of GPU memory kept free (default 0.05)")
+    p.add_argument("--margin", type=_float_arg("--margin", 0, 1, high_open=True, example="0.05"), default=None, help="fraction of GPU memory kept free (default 0.05)")
     p.add_argument("--methods", default=None, help="comma-separated methods to consider (default: all)")
     p.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default: all that fit a node)")
-    p.add_argument("--micro-batch", type=int, default=None, help="pin the micro-batch (default: searched)")
+    p.add_argument("--micro-batch", type=_MICRO_BATCH, default=None, help="pin the micro-batch (default: searched)")
     p.add_argument("--grad-checkpointing", choices=("auto", "on", "off"), default="auto",
                    help="search checkpointing (auto, default) or pin it")
     _add_step_args(p)
     p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
-    p.add_argument("--efficiency", type=float, default=None,
+    p.add_argument("--efficiency", type=_float_arg("--efficiency", 0, 1, low_open=True, example="0.4"), default=None,
                    help="model FLOPs utilisation of the step-time model (default 0.40)")
-    p.add_argument("--inter-node-gbps", type=float, default=None,
+    p.add_argument("--inter-node-gbps", type=_float_arg("--inter-node-gbps", 0, 1e4, low_open=True, example="50"), default=None,
                    help="network GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
     p.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
     p.add_argument("--no-prune", action="store_true",
@@ -261,6 +524,7 @@ def _parser_plan(sub) -> None:
     p.add_argument("--all", action="store_true", help="list every candidate")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_host_arg(p)
     p.set_defaults(func=_cmd_plan)
 
 
@@ -281,6 +545,8 @@ def _csv(value: str | None, cast=str) -> list | None:
         return None
     try:
         items = [cast(v.strip()) for v in value.split(",") if v.strip()]
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"cannot read '{value}' as a comma-separated list: {e}") from None
     except ValueError:
         raise ConfigError(f"cannot read '{value}' as a comma-separated list. HINT: e.g. 2,4,8") from None
     if not items:
@@ -289,14 +555,24 @@ def _csv(value: str | None, cast=str) -> list | None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from llmem_plugin.errors import WontFitError
+    from llmem_plugin.errors import ConfigError, WontFitError
     from llmem_plugin.gpus import parse_memory
     from llmem_plugin.planner import DEFAULT_MARGIN, plan
     from llmem_plugin.workload import Workload
 
-    gpu, n = _plan_target(args)
+    gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
+    methods, tps = _csv(args.methods), _csv(args.tp, _TP)
+    _choose_precision(args)
     wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora=_lora(args),
                   attn_implementation=args.attn, **_technique_fields(args))
+    gpu, n = _plan_target(args)
+    if n % args.nodes:
+        raise ConfigError(f"--nodes {args.nodes} must divide the {n} GPUs (every node holds as many). "
+                          "HINT: pass a --gpus that is a multiple of --nodes")
+    bad_tps = [t for t in tps or () if (n // args.nodes) % t]
+    if bad_tps:
+        raise ConfigError(f"--tp {','.join(map(str, bad_tps))} must divide the {n // args.nodes} GPUs of a node: a "
+                          "tensor-parallel group stays inside one node. HINT: pass degrees that divide it")
     kw = {}
     if args.efficiency is not None:
         kw["efficiency"] = args.efficiency
@@ -305,10 +581,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result, code = plan(
             args.model, gpu=gpu or "h100-sxm", num_gpus=n, num_nodes=args.nodes, workload=wl,
             global_batch=args.global_batch, margin=DEFAULT_MARGIN if args.margin is None else args.margin,
-            methods=_csv(args.methods), tps=_csv(args.tp, int), micro_batch=args.micro_batch,
-            grad_checkpointing=gc, gpu_memory=parse_memory(args.gpu_memory) if args.gpu_memory else None,
+            methods=methods, tps=tps, micro_batch=args.micro_batch,
+            grad_checkpointing=gc, gpu_memory=gpu_memory,
             alloc_conf=args.alloc_conf, inter_node_gbps=args.inter_node_gbps, verify=not args.no_verify,
-            prune=not args.no_prune, **kw,
+            prune=not args.no_prune, host_memory=args.host_memory, **kw,
         ), 0
     except WontFitError as e:
         result, code = e.plan, EXIT_WONT_FIT
@@ -396,7 +672,7 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def _parser_validate(sub) -> None:
-    p = sub.add_parser("validate", help="re-predict measured runs (ground-truth JSONL) and report the % error")
+    p = sub.add_parser("validate", help="re-predict measured runs (ground-truth JSONL) and report the %% error")
     p.add_argument("file", metavar="FILE.jsonl", help="rows written by benchmarks/groundtruth")
     p.add_argument("--gpu", default=None, help="predict CUDA rows for this catalog GPU instead of each row's own")
     p.add_argument("--fast", action="store_true", help="predict with the layer-extrapolating fast mode")
@@ -424,32 +700,69 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXIT_CODES = (
+    "exit codes: 0 success (estimate: the step fits); 2 bad input, one line on stderr naming the value and the "
+    "fix; 3 does not fit (estimate: the step or no method fits the GPU; plan: no method fits), the report is "
+    "still printed"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmem", description="Peak GPU memory of LLM fine-tuning, predicted before the job starts."
+    parser = _Parser(
+        prog="llmem", description="Peak GPU memory of LLM fine-tuning, predicted before the job starts.",
+        epilog=_EXIT_CODES,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own_version = version("llmem_plugin")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        own_version = "unknown"
+    parser.add_argument("--version", action="version", version=f"llmem {own_version}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _parser_estimate(sub)
     _parser_plan(sub)
     _parser_models(sub)
     _parser_validate(sub)
     _parser_gpus(sub)
+    for p in sub.choices.values():
+        p.epilog = _EXIT_CODES
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``llmem``; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    from llmem_plugin.errors import LLMemError
+    """Entry point of ``llmem``.
+
+    Parses ``argv`` (``sys.argv[1:]`` if None), refuses bad options before any
+    model is built, and runs the command. torch is imported only once the
+    options are valid, so ``--help`` and option errors are quick.
+
+    Returns:
+        The exit code: 0, ``EXIT_BAD_INPUT`` (2) or ``EXIT_WONT_FIT`` (3);
+        ``--help`` returns 0.
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or an option argparse refused (its one line is printed)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    from llmem_plugin.errors import LLMemError, WontFitError
 
     try:
+        _check_args(args)
         return args.func(args)
+    except WontFitError as e:
+        print(f"llmem: {_one_line(e)}", file=sys.stderr)
+        return EXIT_WONT_FIT
     except LLMemError as e:
-        print(f"llmem: error: {e}", file=sys.stderr)
+        print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ImportError as e:
-        print(f"llmem: error: {e}", file=sys.stderr)
+        print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

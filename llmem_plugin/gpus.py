@@ -240,10 +240,49 @@ def get_gpu(name: str) -> GPU:
     Raises:
         ConfigError: ``name`` is not in the catalog; the message lists the valid names.
     """
+    if not isinstance(name, str):
+        raise ConfigError(f"GPU name {name!r} is not a string. HINT: e.g. 'h100-sxm'; run 'llmem gpus' for the catalog")
     gpu = match_device_name(name)
     if gpu is not None:
         return gpu
+    candidates = _spelling_candidates(name)
+    if len(candidates) == 1:
+        return _catalog()[candidates[0]]
+    if candidates:
+        raise ConfigError(
+            f"GPU {name!r} is ambiguous: it names {', '.join(candidates)}. HINT: pass one of them, e.g. "
+            f"{candidates[0]}; run 'llmem gpus' for the catalog"
+        )
     raise ConfigError(f"unknown GPU {name!r}{_did_you_mean(name)} valid: {', '.join(gpu_names())}. {_HINT}")
+
+
+# Words a GPU name may carry that name no particular model.
+_NOISE_WORDS = frozenset({"nvidia", "geforce", "tesla"})
+
+
+def _words(name: str) -> frozenset[str]:
+    """The words of a GPU name, lowercase, split at anything not a letter or
+    digit; a memory size written "40g" reads as "40gb"."""
+    words = re.split(r"[^a-z0-9]+", name.lower())
+    return frozenset(re.sub(r"^(\d+)g$", r"\1gb", w) for w in words if w and w not in _NOISE_WORDS)
+
+
+@functools.cache
+def _catalog_words() -> dict[str, frozenset[str]]:
+    """Catalog name -> every word of its key, device name and aliases."""
+    return {
+        name: frozenset().union(*(_words(k) for k in (name, gpu.display_name, *gpu.aliases)))
+        for name, gpu in _catalog().items()
+    }
+
+
+def _spelling_candidates(name: str) -> list[str]:
+    """Catalog entries whose words include every word of ``name`` ("A100 40GB",
+    "a100-40g", "RTX 4090" each name one; "H100" names two)."""
+    words = _words(name)
+    if not words:
+        return []
+    return sorted(n for n, ws in _catalog_words().items() if words <= ws)
 
 
 def _did_you_mean(name: str) -> str:

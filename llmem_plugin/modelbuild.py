@@ -24,7 +24,7 @@ from llmem_plugin import catalog
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["ModelSource", "resolve_config", "build_model", "fakeify", "num_layers", "set_num_layers"]
+__all__ = ["ModelSource", "resolve_config", "check_config", "default_precision", "build_model", "fakeify", "num_layers", "set_num_layers"]
 
 ModelSource = Any  # str | os.PathLike | PretrainedConfig | nn.Module
 
@@ -50,6 +50,7 @@ def resolve_config(source: ModelSource):
 
     _quiet_transformers()
     if isinstance(source, transformers.PretrainedConfig):
+        check_config(source)
         return source
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(
@@ -75,24 +76,202 @@ def resolve_config(source: ModelSource):
     raise AssertionError("catalog.entry must raise for an unknown name")
 
 
+# transformers 5 saves the floats JSON cannot hold (Mamba2's and Falcon-H1's
+# time_step_limit upper bound) as {"__float__": "Infinity"}
+# (configuration_utils.py, _encode_special_floats / _decode_special_floats).
+_FLOAT_TAG_KEY = "__float__"
+_FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_special_floats(obj: Any) -> Any:
+    """Decode ``{"__float__": "Infinity"}`` as transformers' ``_decode_special_floats`` does."""
+    if isinstance(obj, dict):
+        if set(obj) == {_FLOAT_TAG_KEY} and isinstance(obj[_FLOAT_TAG_KEY], str):
+            return _FLOAT_TAG_VALUES.get(obj[_FLOAT_TAG_KEY], obj)
+        return {k: _decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_special_floats(v) for v in obj]
+    return obj
+
+
+# The size fields the model builder reads, with upper bounds. Each bound is
+# far above every released model and keeps every traced tensor's byte size
+# inside torch's int64 sizes together with the CLI's token bound (2**24):
+# the widest released model (llama-3.1-405b) has hidden_size 16384,
+# intermediate_size 53248 and 126 layers; the largest vocabularies are about
+# 262k (Gemma 3); the most experts about 384 (Kimi K2). The layer bound also
+# keeps the build and trace time bounded (every layer is built and traced).
+_SIZE_FIELDS: dict[str, int] = {
+    "hidden_size": 2**18,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "intermediate_size": 2**20,
+    "vocab_size": 2**24,
+    "head_dim": 2**14,
+    "moe_intermediate_size": 2**20,
+    "max_position_embeddings": 2**24,
+}
+# Expert counts: 0 is valid (a dense model of an MoE family).
+_EXPERT_FIELDS: dict[str, int] = {
+    "num_experts": 2**14,
+    "num_local_experts": 2**14,
+    "n_routed_experts": 2**14,
+    "num_experts_per_tok": 2**14,
+}
+# Fields an estimate cannot do without: transformers fills a missing one with
+# its class default, which describes another model (a config holding only
+# model_type "llama" builds Llama-2-7B's 6.74B parameters).
+_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+_HINT_CONFIG = "HINT: pass the model's complete config.json as saved by transformers"
+
+
 def _config_from_file(path: str):
     import transformers
 
     try:
         with open(path, encoding="utf-8") as f:
-            fields = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            fields = _decode_special_floats(json.load(f))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
         raise ConfigError(f"malformed config {path}: {e}. HINT: pass a valid HF config.json") from None
+    except RecursionError:
+        raise ConfigError(f"malformed config {path}: JSON nested too deeply to read. {_HINT_CONFIG}") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(
             f"malformed config {path}: no 'model_type' field. HINT: a transformers config.json names its model_type"
         )
     model_type = fields.pop("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"malformed config {path}: model_type {model_type!r} is not a string. {_HINT_CONFIG}")
     try:
-        return transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError, TypeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        config_class = None  # for_model below names the valid model types
+    if config_class is not None:
+        required = _check_present(fields, config_class, path)
+        alias = getattr(config_class, "attribute_map", {})
+        _check_values(lambda name: _raw_field(fields, config_class, name), where=f"config {path}", required=required,
+                      label=lambda name: name if name in fields or alias.get(name) not in fields else alias[name])
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, _StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, _StrictDataclassError) and e.__cause__ is not None else e
+        msg = " ".join(str(cause).split()) or type(cause).__name__
         raise ConfigError(f"malformed config {path}: {msg}. HINT: check model_type and field values") from None
+    check_config(config, where=f"config {path}")
+    return config
+
+
+_MISSING = object()
+
+try:  # transformers 5 configs are huggingface_hub strict dataclasses; their validators raise this
+    from huggingface_hub.errors import StrictDataclassError as _StrictDataclassError
+except ImportError:  # older huggingface_hub: no strict dataclasses
+    class _StrictDataclassError(Exception):
+        pass
+
+
+def _raw_field(fields: dict, config_class, name: str) -> Any:
+    """``fields[name]``, under its canonical name or the one ``attribute_map`` gives it (GPT-2's n_embd)."""
+    if name in fields:
+        return fields[name]
+    alias = getattr(config_class, "attribute_map", {}).get(name)
+    return fields.get(alias, _MISSING) if alias else _MISSING
+
+
+def _check_present(fields: dict, config_class, path: str) -> tuple[str, ...]:
+    """Refuse a config that leaves a field the estimate needs to the class default.
+
+    Returns:
+        The required fields this config class has (those to refuse as null).
+    """
+    try:
+        defaults = config_class()
+    except Exception:  # a class without defaults for every field: nothing to fill in silently
+        return ()
+    if _nested_text_config(fields):
+        return ()
+    required = tuple(name for name in _REQUIRED_FIELDS if getattr(defaults, name, None) is not None)
+    missing = [
+        name for name in required if _raw_field(fields, config_class, name) is _MISSING
+    ]
+    if missing:
+        raise ConfigError(
+            f"config {path} has no {', '.join(missing)}; transformers would fill in "
+            f"{config_class.__name__}'s defaults ({', '.join(f'{n}={getattr(defaults, n)}' for n in missing)}), "
+            f"which describe another model. {_HINT_CONFIG}"
+        )
+    return required
+
+
+def _nested_text_config(fields: dict) -> bool:
+    return isinstance(fields.get("text_config"), dict)
+
+
+def _check_values(get, *, where: str, required: tuple[str, ...] = (), label=lambda name: name) -> None:
+    """Check the size fields ``get(name)`` returns; ``_MISSING`` or None skips a
+    field, except None for a ``required`` one. ``label(name)`` is the field's
+    name in the message (the config file's own key)."""
+    for bounds, low in ((_SIZE_FIELDS, 1), (_EXPERT_FIELDS, 0)):
+        for name, high in bounds.items():
+            value = get(name)
+            if value is _MISSING or (value is None and name not in required):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(
+                    f"{where}: {label(name)} must be an integer in [{low}, {high}], got {value!r}. {_HINT_CONFIG}"
+                )
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    hidden, head_dim = get("hidden_size"), get("head_dim")
+    if isinstance(heads, int) and isinstance(hidden, int) and head_dim in (None, _MISSING) and hidden % heads:
+        raise ConfigError(
+            f"{where}: num_attention_heads {heads} does not divide hidden_size {hidden}. "
+            "HINT: set head_dim, or a head count that divides hidden_size"
+        )
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(
+            f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
+            "(grouped-query attention repeats each KV head). HINT: use a divisor of num_attention_heads"
+        )
+    for name in ("torch_dtype", "dtype"):
+        value = get(name)
+        if value in (_MISSING, None, "auto") or isinstance(value, torch.dtype):
+            continue
+        if not isinstance(value, str) or not isinstance(getattr(torch, value.removeprefix("torch."), None),
+                                                         torch.dtype):
+            raise ConfigError(f"{where}: {name} {value!r} is not a torch dtype. HINT: e.g. \"bfloat16\"")
+
+
+def check_config(config, *, where: str = "config") -> None:
+    """Check the fields the model builder reads: sizes are positive, bounded
+    integers, heads divide the width, the dtype is a torch dtype.
+
+    Args:
+        config: A ``PretrainedConfig``; for a composite one, its text config
+            is checked too.
+        where: What to call the config in the message (its path).
+
+    Raises:
+        ConfigError: The first bad field, named, with its value.
+    """
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            text = get_text()
+        except Exception:  # a config whose text part cannot be located: check the top level only
+            text = config
+        if text is not config:
+            configs.append(text)
+    for cfg in configs:
+        _check_values(lambda name, cfg=cfg: _safe_getattr(cfg, name), where=where)
+
+
+def _safe_getattr(config, name: str) -> Any:
+    try:
+        return getattr(config, name, _MISSING)
+    except Exception:  # a property that computes from a bad field
+        return _MISSING
 
 
 def build_model(source: ModelSource, workload: Workload, *, device: str = "meta") -> nn.Module:
@@ -181,6 +360,41 @@ def _check_moe_dtype(model: nn.Module, workload: Workload) -> None:
             f"{type(model).__name__} runs its experts with grouped_mm, which on CUDA takes bf16 weights only, "
             f"not {workload.precision.value}. HINT: pass --precision bf16"
         )
+
+
+def default_precision(source: ModelSource) -> tuple[str, str | None]:
+    """The precision to use when the user names none, and why if it is not the usual one.
+
+    The usual default is ``bf16-mixed``. A model whose experts run
+    ``grouped_mm`` (transformers' default experts implementation for the MoE
+    classes that support it, modeling_utils.get_correct_experts_implementation)
+    takes bf16 weights only on CUDA (see :func:`_check_moe_dtype`), so it
+    gets ``bf16``.
+
+    Returns:
+        ``(precision, reason)``; ``reason`` is None for the usual default.
+    """
+    if isinstance(source, nn.Module):
+        return "bf16-mixed", None
+    config = resolve_config(source)
+    if _runs_grouped_mm_experts(config):
+        return "bf16", (f"{type(config).__name__.removesuffix('Config')} runs its experts with grouped_mm, "
+                        "which takes bf16 weights only on CUDA")
+    return "bf16-mixed", None
+
+
+def _runs_grouped_mm_experts(config) -> bool:
+    import transformers
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_experts = max((getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        return False
+    if getattr(config, "_experts_implementation", None) not in (None, "grouped_mm"):
+        return False
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    can_set = getattr(model_class, "_can_set_experts_implementation", None)
+    return bool(can_set and can_set())
 
 
 def _structure_copy(module: nn.Module) -> nn.Module:

@@ -150,18 +150,31 @@ class ValidationReport:
         return {"rows": [r.to_dict() for r in self.rows], "summary": summary, "stub_summary": stub}
 
 
+# The row schema load_rows checks (benchmarks/groundtruth/README.md): the
+# type of each required key, and of each optional one when present.
+_ROW_REQUIRED = {"id": str, "model": str, "workload": dict, "status": str, "device": str}
+_ROW_OPTIONAL = {"measured": dict, "config_overrides": dict, "config": dict, "method": dict, "gpu": dict,
+                 "env": dict, "runner": str, "stub": dict, "device_kind": str}
+_ROW_STATUSES = ("ok", "oom", "error", "skipped")
+_SCHEMA_HINT = "HINT: rows follow the schema in benchmarks/groundtruth/README.md"
+
+
 def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Read a JSONL file of harness rows.
+    """Read a JSONL file of harness rows, checking each row's schema.
 
     Raises:
-        ConfigError: The file is missing, or a line is not a JSON object with
-            the schema's keys.
+        ConfigError: The file is missing or unreadable, holds no rows, or a
+            line is not a JSON object with the schema's keys and types.
     """
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read '{path}': {e.strerror}. HINT: pass a JSONL file of the ground-truth harness")
+    except (ValueError, UnicodeDecodeError) as e:  # a NUL in the path; bytes that are not UTF-8
+        reason = "it is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
+        raise ConfigError(f"cannot read {str(path)!r}: {reason}. HINT: pass a JSONL file of the ground-truth "
+                          "harness, e.g. tests/fixtures/groundtruth-cpu.jsonl") from None
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -170,14 +183,38 @@ def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg}). HINT: one JSON object per line") from None
-        missing = [k for k in ("id", "model", "workload", "status", "measured", "device") if k not in row]
-        if not isinstance(row, dict) or missing:
-            raise ConfigError(
-                f"{path}:{n} lacks {', '.join(missing) or 'an object'}. "
-                "HINT: rows follow the schema in benchmarks/groundtruth/README.md"
-            )
+        except RecursionError:
+            raise ConfigError(f"{path}:{n} is nested too deeply to read. {_SCHEMA_HINT}") from None
+        _check_row_schema(row, f"{path}:{n}")
         rows.append(row)
+    if not rows:
+        raise ConfigError(f"{path} holds no rows. HINT: pass a JSONL file of the ground-truth harness, e.g. "
+                          "tests/fixtures/groundtruth-cpu.jsonl")
     return rows
+
+
+def _check_row_schema(row: Any, where: str) -> None:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where} is a JSON {type(row).__name__}, not a row object. {_SCHEMA_HINT}")
+    missing = [k for k in _ROW_REQUIRED if k not in row]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}. {_SCHEMA_HINT}")
+    for key, kind in (*_ROW_REQUIRED.items(), *_ROW_OPTIONAL.items()):
+        value = row.get(key)
+        if value is not None and not isinstance(value, kind) or (value is None and key in _ROW_REQUIRED):
+            raise ConfigError(f"{where}: {key} is {value!r:.60}, not a JSON {_JSON_NAMES[kind]}. {_SCHEMA_HINT}")
+    if row["status"] not in _ROW_STATUSES:
+        raise ConfigError(f"{where}: status {row['status']!r}; valid: {', '.join(_ROW_STATUSES)}. {_SCHEMA_HINT}")
+    try:
+        _workload(row["workload"])
+    except LLMemError as e:
+        raise ConfigError(f"{where}: workload: {e}") from None
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{where}: workload {row['workload']!r:.80} is not a Workload ({type(e).__name__}: "
+                          f"{e}). {_SCHEMA_HINT}") from None
+
+
+_JSON_NAMES = {str: "string", dict: "object"}
 
 
 def _workload(d: dict[str, Any]):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from llmem_plugin import catalog
-from llmem_plugin.cli import EXIT_BAD_INPUT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
 
 MOE = {"mixtral-8x7b", "qwen3-30b-a3b"}
 
@@ -24,10 +24,13 @@ def run(capsys, *argv: str):
 @pytest.mark.parametrize("name", catalog.names())
 def test_estimate_runs_offline_on_every_catalog_model(capsys, monkeypatch, name):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The default precision works for every catalog model: bf16 for the MoE
+    # models (grouped_mm experts take bf16 weights only), said on stderr.
     precision = "bf16" if name in MOE else "bf16-mixed"
-    code, out, err = run(capsys, "estimate", "--model", name, "--seq-len", "256", "--precision", precision,
+    code, out, err = run(capsys, "estimate", "--model", name, "--seq-len", "256", "--gpu-memory", "16TiB",
                          "--fast", "--json")
     assert code == 0, err
+    assert ("precision bf16 (the default for this model" in err) == (name in MOE), err
     data = json.loads(out)
     params, _ = catalog.count_parameters(catalog.load_config(name))
     assert data["params"] == params == data["trainable_params"]
@@ -59,8 +62,9 @@ def test_estimate_reports_three_numbers_per_gpu(capsys):
 
 
 def test_estimate_does_not_fit_a_tiny_gpu(capsys):
-    code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--gpu-memory", "1GiB", "--json")
-    assert code == 0
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--gpu-memory", "1GiB", "--json")
+    assert code == EXIT_WONT_FIT  # documented: 3 when it does not fit; the report is still printed
+    assert err.count("\n") == 1 and "does not fit the h100-sxm (1.0 GiB); exit code 3" in err
     d = json.loads(out)
     assert d["capacity_bytes"] == 2**30 and not d["fits"] and d["device_total_bytes"] > 2**30
 
@@ -77,20 +81,20 @@ def test_estimate_table_lists_every_category(capsys):
     "argv, fragment",
     [
         (["estimate", "--model", "lama-3.1-8b"], "did you mean 'llama-3.1-8b'"),
-        (["estimate", "--model", "gpt2", "--seq-len", "0"], "seq_len must be a positive integer"),
-        (["estimate", "--model", "gpt2", "--batch-size", "-1"], "micro_batch_size must be a positive integer"),
+        (["estimate", "--model", "gpt2", "--seq-len", "0"], "argument --seq-len: 0 is outside [1, 16777216]"),
+        (["estimate", "--model", "gpt2", "--batch-size", "-1"], "argument --batch-size: -1 is outside [1, 65536]"),
         (["estimate", "--model", "gpt2", "--precision", "fp8"], "unsupported precision 'fp8'"),
         (["estimate", "--model", "gpt2", "--optimizer", "lion"], "unsupported optimizer 'lion'"),
         (["estimate", "--model", "gpt2", "--lora-rank", "4", "--lora-targets", "q_proj"], "match no module"),
-        (["estimate", "--model", "gpt2", "--lora-targets", "c_attn"], "need --lora-rank"),
+        (["estimate", "--model", "gpt2", "--lora-targets", "c_attn"], "LoRA is off. HINT: add --lora-rank 16"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)
     assert code == EXIT_BAD_INPUT
     assert out == ""
-    assert err.count("\n") == 1 and err.startswith("llmem: error: ") and fragment in err
-    assert "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("llmem") and "error: " in err and fragment in err
+    assert "HINT" in err and "Traceback" not in err
 
 
 def test_malformed_config_file_exits_2(capsys, tmp_path):

@@ -52,7 +52,7 @@ def test_gpus_table_labels_gib(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "argv, fragment",
     [
-        (["gpus", "h100"], "did you mean 'h100-pcie', 'h100-sxm'?"),
+        (["gpus", "h10"], "did you mean 'h100-pcie', 'h100-sxm'?"),
         (["gpus", "tpu-v5", "--json"], "unknown GPU 'tpu-v5'"),
     ],
 )

@@ -23,11 +23,29 @@ def test_method_all_json_rows(capsys):
     names = [r["method"] for r in d["methods"]]
     assert "ddp" in names and "single" not in names  # single needs one GPU
     assert any(s["method"] == "single" for s in d["skipped"])
+    # Without --tp, 'all' tries every tensor-parallel degree that divides the
+    # node (here 2) for the TP methods, instead of leaving them out at tp 1.
+    # (GPT-2 has no TP plan: the TP methods are skipped with that reason at tp 2.)
+    assert {"tp tp2", "dp-tp tp2", "fsdp-tp tp2", "hybrid tp2"} <= {s["method"] for s in d["skipped"]}
     for row in d["methods"]:
         for key in ("method", "tp", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "fits"):
             assert key in row
         assert row["peak_reserved_bytes"] >= row["peak_allocated_bytes"]
         assert row["device_total_bytes"] > row["peak_reserved_bytes"]
+
+
+def test_method_all_tries_every_tp_degree(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "vocab_size": 256}))
+    code, out, err = run(capsys, "estimate", "--model", str(cfg), "--seq-len", "32", "--gpus", "4", "--json")
+    assert code == 0, err
+    rows = {(r["method"], r["tp"]) for r in json.loads(out)["methods"]}
+    # The degrees that divide a 4-GPU node are 2 and 4: pure tp spans all 4
+    # GPUs, dp-tp and fsdp-tp need dp >= 2, so tp 2.
+    assert {("tp", 4), ("dp-tp", 2), ("fsdp-tp", 2), ("ddp", 1), ("fsdp", 1)} <= rows
+    assert not any(m in ("tp", "dp-tp", "fsdp-tp") and tp == 1 for m, tp in rows)
 
 
 def test_single_method_matches_plain_estimate(capsys):
@@ -44,7 +62,7 @@ def test_single_method_matches_plain_estimate(capsys):
     (["--method", "ddp", "--gpus", "8", "--nodes", "2", "--tp", "8"], "stays inside one node"),
     (["--method", "ddp", "--gpus", "2", "--tp", "2"], "--tp"),
     (["--method", "ddp", "--gpus", "2", "--offload", "optimizer"], "--offload is not modelled"),
-    (["--method", "ddp", "--gpus", "0"], "num_gpus must be a positive integer"),
+    (["--method", "ddp", "--gpus", "0"], "argument --gpus: 0 is outside [1, 1048576]"),
 ])
 def test_layout_errors_exit_2(capsys, argv, fragment):
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", *argv)

@@ -183,9 +183,9 @@ def test_get_gpu_is_case_insensitive_and_accepts_aliases():
 
 def test_unknown_gpu_lists_valid_names_and_hints():
     with pytest.raises(ConfigError) as info:
-        get_gpu("h100")
+        get_gpu("h10")
     msg = str(info.value)
-    assert "\n" not in msg and "'h100'" in msg
+    assert "\n" not in msg and "'h10'" in msg
     assert "did you mean 'h100-pcie', 'h100-sxm'?" in msg
     assert all(name in msg for name in EXPECTED_NAMES)
     assert msg.endswith("HINT: run 'llmem gpus' for the catalog")
@@ -243,3 +243,46 @@ def test_spec_validates_itself():
         h100.memory_bytes = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         GPU("h100-sxm")  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize(
+    "typed, name",
+    [
+        ("A100 40GB", "a100-40gb"),
+        ("a100-40g", "a100-40gb"),
+        ("A100 80GB", "a100-80gb"),
+        ("RTX 4090", "rtx-4090"),
+        ("4090", "rtx-4090"),
+        ("GeForce RTX 3090", "rtx-3090"),
+        ("H100 PCIe", "h100-pcie"),
+        ("h100 sxm", "h100-sxm"),
+        ("nvidia l4", "l4"),
+    ],
+)
+def test_typed_spellings_that_name_one_entry(typed, name):
+    # Every word of the typed name is a word of exactly one entry's names
+    # (catalog/gpus.json: key, device name, aliases).
+    assert get_gpu(typed).name == name
+
+
+@pytest.mark.parametrize(
+    "typed, candidates",
+    [
+        ("H100", ["h100-pcie", "h100-sxm"]),  # both are H100 80GB parts
+        ("h100-80gb", ["h100-pcie", "h100-sxm"]),
+        ("A100", ["a100-40gb", "a100-80gb"]),
+        ("rtx", ["rtx-3090", "rtx-4090"]),
+    ],
+)
+def test_ambiguous_spelling_lists_candidates(typed, candidates):
+    with pytest.raises(ConfigError) as info:
+        get_gpu(typed)
+    msg = str(info.value)
+    assert f"GPU {typed!r} is ambiguous: it names {', '.join(candidates)}." in msg
+    assert "HINT" in msg and "\n" not in msg
+
+
+def test_spelling_match_does_not_guess_other_models():
+    # "l40" is a word of no entry (l40s is another card): refused, with suggestions.
+    with pytest.raises(ConfigError, match="unknown GPU 'l40'; did you mean 'l40s'"):
+        get_gpu("l40")
