@@ -117,8 +117,9 @@ def _optimizer_kind(optimizer: Any) -> OptimizerKind:
 
 
 def _cluster(cluster: Any) -> tuple[int, int]:
-    """(num_gpus, num_nodes): given, or torchrun's WORLD_SIZE and
-    LOCAL_WORLD_SIZE (one GPU without them)."""
+    """(num_gpus, num_nodes): given, or the world size of the process group
+    already initialized (the estimate sets it aside while it traces), or
+    torchrun's WORLD_SIZE; nodes from LOCAL_WORLD_SIZE (one GPU without them)."""
     from llmem_plugin.methods.layout import Layout
 
     if isinstance(cluster, Layout):
@@ -132,10 +133,9 @@ def _cluster(cluster: Any) -> tuple[int, int]:
         raise ConfigError(f"cluster must be a Layout, a dict with num_gpus/num_nodes or a GPU count, got "
                           f"{cluster!r}. HINT: cluster={{'num_gpus': 8, 'num_nodes': 1}}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise ConfigError("a process group is already initialized, and the estimator traces under its own fake "
-                          "one. HINT: plan before colossalai.launch_from_torch() (auto_booster launches it "
-                          "for you), or pass cluster= to choose_plugin")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+        world = torch.distributed.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return world, (world // local if local and world % local == 0 else 1)
 

@@ -86,6 +86,10 @@ def test_plan_after_init_process_group_leaves_the_real_group_working(tmp_path):
         dist.all_reduce(t)  # the default group still runs collectives
         dist.all_reduce(t, group=group)  # and so does a subgroup made before the plan
         assert t.tolist() == [1.0, 1.0, 1.0]
+        # the ColossalAI adapter plans after launch_from_torch, on the group's world size
+        from llmem_plugin.integrations.colossalai import _cluster
+
+        assert _cluster(None) == (1, 1)
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
