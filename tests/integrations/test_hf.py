@@ -238,3 +238,17 @@ def test_autoconfigure_writes_the_deepspeed_config_the_plan_estimated(tmp_path):
     assert new.llmem_plan.choice.method == "zero2"
     assert json.dumps(new.deepspeed, sort_keys=True) == json.dumps(to_deepspeed_config(new.llmem_plan, optimizer=False), sort_keys=True)
     assert new.deepspeed["zero_optimization"]["stage"] == 2
+
+
+def test_autoconfigure_without_bitsandbytes_raises_wont_fit_not_import_error(tmp_path, monkeypatch):
+    """The suggestion search tries 8-bit AdamW, modelled without bitsandbytes."""
+    import sys
+
+    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, use_cpu=True, report_to=[])
+    with pytest.raises(WontFitError) as e:
+        autoconfigure(_model(), args, {"num_gpus": 1, "gpu": "h100-sxm", "gpu_memory": "0.05GiB"}, seq_len=SEQ,
+                      methods=["single"])
+    assert e.value.plan is not None and "no method fits" in str(e.value)
