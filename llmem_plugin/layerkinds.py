@@ -103,7 +103,10 @@ def layer_kinds(config: Any) -> tuple[list[Hashable] | None, str]:
     rule = _RULES.get(model_type)
     if rule is None:
         return None, f"model type '{model_type}' has no layer-kind rule in fast mode"
-    n = getattr(config, _count_key(config))
+    try:
+        n = getattr(config, _count_key(config))
+    except UnsupportedError as e:
+        return None, str(e)
     for key, value in vars(config).items():
         if isinstance(value, (list, tuple)) and len(value) == n and n > 1 and key not in _KNOWN_LIST_FIELDS:
             return None, f"the config's per-layer field '{key}' is not read by fast mode"
