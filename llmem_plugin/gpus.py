@@ -39,7 +39,7 @@ from typing import Any
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["GPU", "get_gpu", "gpu_names", "match_device_name", "parse_memory", "resolve_gpu"]
+__all__ = ["GPU", "get_gpu", "gpu_names", "host_memory_default", "match_device_name", "parse_memory", "resolve_gpu"]
 
 _HINT = "HINT: run 'llmem gpus' for the catalog"
 _DEFAULT_GPU = "h100-sxm"
