@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import time
@@ -11,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from llmem_plugin import modelbuild
-from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, replay
+from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, CachingAllocator, SimulatedOOM, replay
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu, parse_memory
 from llmem_plugin.overheads import (
@@ -19,7 +20,7 @@ from llmem_plugin.overheads import (
     device_overheads,
     workspace_allocations,
 )
-from llmem_plugin.step import trace_step
+from llmem_plugin.step import NUM_ITERATIONS, STEADY_MICRO_STEPS, micro_mark, trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
@@ -253,9 +254,9 @@ def vocab_size_of(model: nn.Module) -> int:
 
 
 def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, tracker: Any = None,
-           contexts: tuple = ()) -> TraceResult:
-    """The single-GPU step of ``model`` (made fake here) on ``gpu``; ``tracker``
-    and ``contexts`` as for :func:`trace_step` (e.g. a FLOP counter)."""
+           contexts: tuple = (), max_micro_steps: int | None = None) -> TraceResult:
+    """The single-GPU step of ``model`` (made fake here) on ``gpu``; ``tracker``,
+    ``contexts`` and ``max_micro_steps`` as for :func:`trace_step` (e.g. a FLOP counter)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gpu = gpu or get_gpu(DEFAULT_GPU)
@@ -278,9 +279,116 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, trac
         return trace_step(
             model, workload, vocab_size=vocab, fake_mode=fake_mode,
             compute_capability=gpu.compute_capability, num_sms=gpu.num_sms, tracker=tracker, contexts=contexts,
-            reference=reference,
+            reference=reference, max_micro_steps=max_micro_steps,
         )
 
+
+# Micro-steps traced at most while waiting for the allocator to settle, and
+# the longest window traced in full when it does not. Beyond both, the
+# estimate is refused rather than traced for hours (each micro-step is a full
+# forward and backward: an 8B model's 2 x 32 micro-steps at --grad-accum 32
+# took over 6 minutes when every one was traced, issue 15).
+_MAX_SETTLING_MICRO_STEPS = 32
+_MAX_FULL_WINDOW = 256
+
+
+def _allocator_state(alloc: CachingAllocator) -> tuple:
+    """Everything the simulated allocator's next decisions depend on (no GC
+    ages: ``estimate`` sets no memory fraction): the reserved bytes and every
+    block's segment, offset, size, allocation and mapping. Segments are
+    numbered in address order: the allocator only compares addresses, and a
+    segment freed and made again (under a cap) gets a new, higher one."""
+    blocks = [b for pool in (alloc.small, alloc.large) for b in (*pool.blocks.values(), *pool.unmapped_blocks.values())]
+    blocks += alloc._live.values()
+    rank = {base: i for i, base in enumerate(sorted({b.segment.base for b in blocks}))}
+    return alloc.stats.reserved, sorted((rank[b.segment.base], b.addr - b.segment.base, b.size, b.allocated, b.mapped)
+                                        for b in blocks)
+
+def _micro_steps_repeat(trace: TraceResult, accum: int, config: AllocatorConfig, overheads: DeviceOverheads,
+                        capacity: int | None, traced: int) -> bool:
+    """Whether the micro-steps a shortened trace left out repeat its last
+    middle one exactly (see ``llmem_plugin.step.STEADY_MICRO_STEPS``): in each
+    iteration the allocator is in the same state before and after that
+    micro-step, in the replay without a cap and, where the step exceeds the
+    capacity, in the capped one. A state that repeats stays repeating (the
+    replay is deterministic and the micro-steps run the same ops), so the
+    full window's peaks and final state are the shortened trace's."""
+    events, _ = allocator_events(trace, overheads)
+    at = [j for j, ev in enumerate(events) if ev[1] >= 0]  # trace event -> index (workspaces have keys < 0)
+    at.append(len(events))
+    middle = traced - 2  # the last middle micro-step traced
+    bounds = [(at[trace.marks[micro_mark(it, middle)]], at[trace.marks[micro_mark(it, accum - 1)]])
+              for it in range(NUM_ITERATIONS)]
+    caps: list[int | None] = [None]
+    for cap in caps:
+        alloc = CachingAllocator(config, capacity_bytes=cap)
+        handles: dict[int, int] = {}
+        want = {i for pair in bounds for i in pair}
+        states: dict[int, tuple] = {}
+        oom = False
+        for j, (sign, key, nbytes) in enumerate(events + [(0, 0, 0)]):
+            if j in want:
+                states[j] = _allocator_state(alloc)
+            if sign > 0 and nbytes > 0:
+                try:
+                    handles[key] = alloc.malloc(nbytes)
+                except SimulatedOOM:
+                    oom = True
+                    break
+            elif sign < 0 and key in handles:
+                alloc.free(handles.pop(key))
+        for start, end in bounds:
+            if start not in states or end not in states:
+                # Out of memory before this iteration's repetition: in the
+                # part the full window shares, so it runs out there too.
+                assert oom
+                break
+            if states[start] != states[end]:
+                return False
+        over = capacity is not None and alloc.stats.peak_reserved + overheads.outside_allocator_bytes > capacity
+        if cap is None and over:  # the verdict comes from the capped replay (simulate_trace): check it too
+            caps.append(max(capacity - overheads.outside_allocator_bytes, 0))
+    return True
+
+
+def _steady_trace(model: nn.Module, workload: Workload, gpu: GPU, *, config: AllocatorConfig,
+                  overheads: DeviceOverheads, capacity: int | None, notes: list[str]) -> TraceResult:
+    """The step of ``model`` with only the first micro-steps and the last of a
+    long accumulation window traced, the others repeating the last middle one
+    exactly (checked on the replay). :data:`STEADY_MICRO_STEPS` are tried
+    first; where the allocator has not settled by then (a capacity that makes
+    it free its cache and retry can take longer), twice as many, up to
+    :data:`_MAX_SETTLING_MICRO_STEPS`; then every micro-step. Appends a line
+    on what was done to ``notes``.
+
+    Raises:
+        UnsupportedError: The allocator does not settle and the window is
+            too long to trace every micro-step.
+    """
+    accum = workload.grad_accum_steps
+    if accum <= STEADY_MICRO_STEPS:
+        return _trace(model, workload, gpu)
+    pristine = copy.deepcopy(model)  # tracing makes a model fake
+    limit = STEADY_MICRO_STEPS
+    while limit < accum and limit <= _MAX_SETTLING_MICRO_STEPS:
+        short = _trace(model, workload, gpu, max_micro_steps=limit)
+        last = limit - 1
+        if _micro_steps_repeat(short, accum, config, overheads, capacity, limit):
+            notes.append(f"gradient accumulation: micro-steps 1-{last} and {accum} of {accum} traced; "
+                         f"micro-steps {last + 1}-{accum - 1} repeat micro-step {last} exactly (the simulated "
+                         f"allocator's state is the same before and after it)")
+            return short
+        model = copy.deepcopy(pristine)
+        limit *= 2
+    if accum > _MAX_FULL_WINDOW:
+        raise UnsupportedError(
+            f"grad_accum_steps {accum}: the simulated allocator has not settled after "
+            f"{_MAX_SETTLING_MICRO_STEPS} micro-steps (it frees its cache and retries under this capacity), and "
+            f"tracing all {accum} is refused (above {_MAX_FULL_WINDOW}). HINT: estimate with a larger gpu_memory, "
+            f"or with --grad-accum {_MAX_FULL_WINDOW} or fewer")
+    notes.append(f"gradient accumulation: the simulated allocator did not settle within "
+                 f"{min(limit // 2, accum)} micro-steps, so all {accum} were traced")
+    return _trace(model, workload, gpu)
 
 def _describe(source: Any) -> str:
     if isinstance(source, nn.Module):
@@ -366,10 +474,11 @@ def capacity_bytes(gpu_memory: int | str | None) -> int | None:
         raise ConfigError(f"gpu_memory must be bytes (an int) or a size string, got {type(gpu_memory).__name__} "
                           f"{gpu_memory!r}. HINT: gpu_memory='80GiB' or 80 * 2**30")
     if gpu_memory <= 0:
-        raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. HINT: gpu_memory='80GiB'")
+        raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. "
+                          "HINT: gpu_memory='80GiB'")
     if gpu_memory < _MIN_CAPACITY_BYTES:
-        raise ConfigError(f"gpu_memory={gpu_memory} is read as {gpu_memory} bytes, below 1 MiB; a bare number is bytes. "
-                          f"HINT: pass gpu_memory='{gpu_memory}GiB' (or {gpu_memory} * 2**30)")
+        raise ConfigError(f"gpu_memory={gpu_memory} is read as {gpu_memory} bytes, below 1 MiB; a bare number is "
+                          f"bytes. HINT: pass gpu_memory='{gpu_memory}GiB' (or {gpu_memory} * 2**30)")
     return gpu_memory
 
 
@@ -550,8 +659,10 @@ def estimate(
     overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=uses_cublaslt(full))
     capacity = target.capacity_bytes
 
+    accum_notes: list[str] = []
+
     def trace(m: nn.Module, w: Workload) -> TraceResult:
-        return _trace(m, w, target)
+        return _steady_trace(m, w, target, config=config, overheads=overheads, capacity=capacity, notes=accum_notes)
 
     timeline: list[tuple[int, Phase, int]] = []
     memory_timeline: list[tuple[int, str, int, int]] = []
@@ -608,7 +719,7 @@ def estimate(
         host_bytes=host_peak + process_baseline_bytes(),
         host_capacity_bytes=host_cap.node_bytes,
         host_memory_source=host_cap.source,
-        notes=_notes(model_config, wl) + fast_notes,
+        notes=_notes(model_config, wl) + fast_notes + tuple(dict.fromkeys(accum_notes)),
     )
 
 

@@ -25,9 +25,24 @@ from llmem_plugin.emulation import (
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Runner, Workload
 
-__all__ = ["NUM_ITERATIONS", "StepHooks", "host_resident_state", "make_optimizer", "state_tensors", "trace_step"]
+__all__ = ["NUM_ITERATIONS", "STEADY_MICRO_STEPS", "StepHooks", "host_resident_state", "make_optimizer",
+           "micro_mark", "state_tensors", "trace_step", "traced_micro_steps"]
 
 NUM_ITERATIONS = 2
+
+# Gradient accumulation: the micro-steps traced per iteration when more
+# accumulate. Micro-step 1 creates the gradients; from micro-step 2 on every
+# micro-step runs the same ops on the same live tensors (the gradients are
+# accumulated in place: AccumulateGrad, torch/csrc/autograd/functions/
+# accumulate_grad.h), so its allocation sequence is the same. Micro-step 2 may
+# still grow the caching allocator's segments (the gradients now occupy
+# memory that micro-step 1 had free); once one micro-step leaves the
+# allocator exactly as it found it, every later one repeats it byte for byte,
+# peaks included. So 1, 2, 3 and the last (the accumulation boundary, where
+# engines reduce) are traced, and the check that micro-step 3 left the
+# allocator as it found it is made on the replay
+# (llmem_plugin.estimate._micro_steps_repeat).
+STEADY_MICRO_STEPS = 4
 
 # Learning rate and weight decay do not change memory; these are HF Trainer's
 # defaults (TrainingArguments.learning_rate=5e-5), with AdamW's own decay.
@@ -117,6 +132,25 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
+def traced_micro_steps(grad_accum_steps: int, max_micro_steps: int | None = None) -> list[int]:
+    """The micro-step indices (0-based) traced in each iteration.
+
+    Args:
+        grad_accum_steps: Micro-steps per optimizer step.
+        max_micro_steps: At most this many (at least 2): the first
+            ``max_micro_steps - 1`` and the last; None: all.
+    """
+    if max_micro_steps is None or grad_accum_steps <= max_micro_steps:
+        return list(range(grad_accum_steps))
+    assert max_micro_steps >= 2, max_micro_steps
+    return [*range(max_micro_steps - 1), grad_accum_steps - 1]
+
+
+def micro_mark(iteration: int, micro: int) -> str:
+    """The trace mark at the start of a micro-step (``TraceResult.marks`` key)."""
+    return f"micro:{iteration}:{micro}:{Phase.SETUP.value}"
+
+
 class StepHooks:
     """Where an engine joins the traced step: the points at which a wrapper
     that cannot run under fake tensors (DeepSpeed, ColossalAI) allocates its
@@ -158,6 +192,7 @@ def trace_step(
     offload: bool = False,
     hooks: StepHooks | None = None,
     reference: Callable[[torch.Tensor], object] | None = None,
+    max_micro_steps: int | None = None,
 ) -> TraceResult:
     """Trace ``NUM_ITERATIONS`` training steps of ``model`` and replay them.
 
@@ -188,6 +223,10 @@ def trace_step(
             called with each micro-batch's input ids after the policy
             forward, before backward; what it returns is kept until the
             micro-batch ends.
+        max_micro_steps: Trace only :func:`traced_micro_steps` of the
+            accumulation window (hooks see each micro-step's own index); the
+            caller checks that the untraced ones repeat the last middle one
+            (see ``STEADY_MICRO_STEPS``). None: every micro-step.
 
     Returns:
         The replayed trace.
@@ -222,9 +261,11 @@ def trace_step(
         with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms,
                             mark=tracker.mark):
             hooks.setup()
+            micro_steps = traced_micro_steps(workload.grad_accum_steps, max_micro_steps)
             for it in range(NUM_ITERATIONS):
-                for mb in range(workload.grad_accum_steps):
+                for mb in micro_steps:
                     tracker.set_phase(Phase.SETUP)
+                    tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
                     labels = input_ids.clone()

@@ -273,7 +273,8 @@ class LoraSpec:
             # (peft/tuners/tuners_utils.py check_target_module_exists).
             if targets is None or (isinstance(targets, str) and targets != "all-linear"):
                 raise ConfigError(f"LoraConfig target_modules={targets!r} is resolved by peft per model; not "
-                                  "modelled here. HINT: give the module names, e.g. target_modules=['q_proj', 'v_proj']")
+                                  "modelled here. HINT: give the module names, "
+                                  "e.g. target_modules=['q_proj', 'v_proj']")
             return cls(rank=value.r, alpha=value.lora_alpha, dropout=value.lora_dropout,
                        target_modules=(targets,) if isinstance(targets, str) else targets)
         raise ConfigError(f"lora must be a LoraSpec, a dict or a peft LoraConfig, got {type(value).__name__}. "

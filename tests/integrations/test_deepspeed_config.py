@@ -109,7 +109,8 @@ _INITIALIZE = textwrap.dedent("""
             engine.step()
         opt = engine.basic_optimizer
         out.append({"class": type(opt).__module__ + "." + type(opt).__name__, "steps": engine.global_steps,
-                    "defaults": {k: v for k, v in opt.defaults.items() if isinstance(v, (int, float, bool, list, tuple))},
+                    "defaults": {k: v for k, v in opt.defaults.items()
+                                 if isinstance(v, (int, float, bool, list, tuple))},
                     "stage": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled()})
     print("RESULT " + json.dumps(out))
 """)
