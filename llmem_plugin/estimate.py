@@ -317,6 +317,9 @@ def _micro_steps_repeat(trace: TraceResult, accum: int, config: AllocatorConfig,
     at = [j for j, ev in enumerate(events) if ev[1] >= 0]  # trace event -> index (workspaces have keys < 0)
     at.append(len(events))
     middle = traced - 2  # the last middle micro-step traced
+    keys = [micro_mark(it, mb) for it in range(NUM_ITERATIONS) for mb in (middle, accum - 1)]
+    if not all(k in trace.marks for k in keys):  # a mark shared an event with another: no check, no shortcut
+        return False
     bounds = [(at[trace.marks[micro_mark(it, middle)]], at[trace.marks[micro_mark(it, accum - 1)]])
               for it in range(NUM_ITERATIONS)]
     caps: list[int | None] = [None]
