@@ -324,7 +324,7 @@ class _Point:
 def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) -> _Point:
     from llmem_plugin.cost import StepFlopCounter
     from llmem_plugin.estimate import _trace, simulate_trace, uses_cublaslt
-    from llmem_plugin.fast import extrapolated_trace
+    from llmem_plugin.fast import Extrapolation, extrapolated_trace
     from llmem_plugin.overheads import device_overheads
     from llmem_plugin.step import NUM_ITERATIONS
     from llmem_plugin.tracker import MemoryTracker
@@ -341,6 +341,8 @@ def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) ->
     config = modelbuild.resolve_config(model)
     depth = modelbuild.num_layers(config)
     ext = extrapolated_trace(config, workload, depth=depth, trace=trace)
+    if ext.result is None:  # layer kinds fast mode cannot tell apart: the full model
+        ext = Extrapolation(trace(modelbuild.build_model(config, workload), workload))
     meta = modelbuild.build_model(modelbuild.set_num_layers(config, 1), workload, device="meta")
     overheads = device_overheads(gpu.compute_capability, uses_cublaslt=uses_cublaslt(meta))
     from llmem_plugin.allocator_config import AllocatorConfig
