@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from llmem_plugin import catalog
-from llmem_plugin.errors import ConfigError
+from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.workload import LoraSpec, Workload
 
 __all__ = ["ModelSource", "resolve_config", "check_config", "default_precision", "build_model", "fakeify", "num_layers", "set_num_layers"]
@@ -415,13 +415,7 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         raise ImportError("LoRA needs peft: pip install 'llmem_plugin[lora]'") from None
     targets: Any = "all-linear" if spec.target_modules == ("all-linear",) else list(spec.target_modules)
     if targets != "all-linear":
-        names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        missing = [t for t in targets if t not in names and not any(n.endswith(t) for n, _ in model.named_modules())]
-        if len(missing) == len(targets):
-            raise ConfigError(
-                f"LoRA target modules {','.join(missing)} match no module of {type(model).__name__}; "
-                f"linear modules are: {','.join(sorted(names))}. HINT: pass --lora-targets with some of them"
-            )
+        _check_lora_targets(model, targets)
     cfg = peft.LoraConfig(
         r=spec.rank,
         lora_alpha=spec.lora_alpha,
@@ -435,7 +429,43 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         cfg._register_custom_module(custom)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return peft.get_peft_model(model, cfg)
+        try:
+            return peft.get_peft_model(model, cfg)
+        except (ValueError, TypeError) as e:  # peft's own refusal of a target
+            first = " ".join(str(e).split())[:300]
+            raise ConfigError(f"peft cannot apply LoRA to {','.join(spec.target_modules)}: {first}. "
+                              "HINT: pass --lora-targets with linear module names, or all-linear") from None
+
+
+def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Refuse targets that match nothing (ConfigError), or match modules other
+    than linear layers (UnsupportedError).
+
+    A target matches a module whose qualified name is the target or ends with
+    ``"." + target`` (peft ``check_target_module_exists`` for a list). LoRA is
+    modelled on ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2) only: peft's
+    ``lora.Embedding`` hides the embedding's ``num_embeddings``, which the
+    trace reads, and a container module is not a layer peft can adapt.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    linear = (nn.Linear, Conv1D)
+    modules = list(model.named_modules())
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, linear)})
+    matched = {t: [m for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+    missing = [t for t, ms in matched.items() if not ms]
+    if len(missing) == len(targets):
+        raise ConfigError(
+            f"LoRA target modules {','.join(missing)} match no module of {type(model).__name__}; "
+            f"linear modules are: {','.join(names)}. HINT: pass --lora-targets with some of them"
+        )
+    for t, ms in matched.items():
+        other = next((m for m in ms if not isinstance(m, linear)), None)
+        if other is not None:
+            raise UnsupportedError(
+                f"llmem does not model LoRA on {t}: it matches a module of type {type(other).__name__}, and LoRA is "
+                f"modelled on linear layers only. HINT: pass --lora-targets with linear modules: {','.join(names)}"
+            )
 
 
 def fakeify(model: nn.Module, fake_mode) -> None:

@@ -126,3 +126,68 @@ def test_console_script_offline():
     assert json.loads(proc.stdout)["params"] == 1_235_814_400
     bad = subprocess.run(cmd + ["estimate", "--model", "nope"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == EXIT_BAD_INPUT and "Traceback" not in bad.stderr
+
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def _llmem():
+    exe = os.path.join(os.path.dirname(sys.executable), "llmem")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmem_plugin.cli"]
+
+
+def test_help_and_bad_options_do_not_import_torch():
+    # Help and option errors are answered before torch loads (it takes seconds).
+    code = ("import sys; from llmem_plugin.cli import main; "
+            "codes = [main(['--help']), main(['estimate', '--help']), main(['plan', '--help']), "
+            "main(['estimate', '--model', 'gpt2', '--seq-len', 'x']), main(['estimate', '--model', 'gpt2', "
+            "'--gpus', '99999999999999999999'])]; print(codes, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 0, 2, 2] False", proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_console_script_exit_codes_0_2_3(tmp_path):
+    """Real processes: 0 fits, 2 bad input, 3 does not fit; --help documents them."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [*_llmem(), "estimate", "--model", str(cfg), "--seq-len", "32"]
+    fits = subprocess.run([*base, "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert fits.returncode == 0 and json.loads(fits.stdout)["fits"], fits.stderr
+    # Two cuBLAS workspaces of 32 MiB on an H100 (overheads.py) alone exceed 8 MiB.
+    tight = subprocess.run([*base, "--gpu-memory", "8MiB"], capture_output=True, text=True, env=env, timeout=300)
+    assert tight.returncode == EXIT_WONT_FIT and "does NOT fit" in tight.stdout, tight.stderr
+    assert tight.stderr.strip().splitlines()[-1].startswith("llmem: the step does not fit the h100-sxm")
+    bad = subprocess.run([*base, "--lora-alpha", "nan"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == EXIT_BAD_INPUT and len(bad.stderr.strip().splitlines()) == 1
+    assert "--lora-alpha" in bad.stderr and "HINT" in bad.stderr
+    top = subprocess.run([*_llmem(), "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert top.returncode == 0 and "Traceback" not in top.stderr  # a '%' in a help string once crashed it
+    assert "3 does not fit" in " ".join(top.stdout.split())
+
+
+def test_every_flag_a_message_names_exists():
+    """A HINT that names a flag the CLI does not have sends the user nowhere:
+    every --flag in a string literal of the package is an option of some command."""
+    import io
+    import pathlib
+    import re
+    import tokenize
+
+    import llmem_plugin
+    from llmem_plugin.cli import build_parser
+
+    parser = build_parser()
+    options = set(parser._option_string_actions)
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        options |= set(sub._option_string_actions)
+    unknown = []
+    for path in pathlib.Path(llmem_plugin.__file__).parent.rglob("*.py"):
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type == tokenize.STRING:
+                for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", tok.string):
+                    if flag not in options:
+                        unknown.append(f"{path.name}:{tok.start[0]} {flag}")
+    assert not unknown
