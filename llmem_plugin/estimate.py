@@ -386,12 +386,13 @@ def _steady_trace(model: nn.Module, workload: Workload, gpu: GPU, *, config: All
     if accum > _MAX_FULL_WINDOW:
         raise UnsupportedError(
             f"grad_accum_steps {accum}: the simulated allocator has not settled after "
-            f"{_MAX_SETTLING_MICRO_STEPS} micro-steps (it frees its cache and retries under this capacity), and "
-            f"tracing all {accum} is refused (above {_MAX_FULL_WINDOW}). HINT: estimate with a larger gpu_memory, "
-            f"or with --grad-accum {_MAX_FULL_WINDOW} or fewer")
+            f"{_MAX_SETTLING_MICRO_STEPS} micro-steps, and tracing all {accum} is refused (above "
+            f"{_MAX_FULL_WINDOW}), as it would take hours. HINT: estimate with --grad-accum {_MAX_FULL_WINDOW} or "
+            "fewer (or a larger gpu_memory, if the allocator frees its cache and retries at this capacity)")
     notes.append(f"gradient accumulation: the simulated allocator did not settle within "
                  f"{min(limit // 2, accum)} micro-steps, so all {accum} were traced")
     return _trace(model, workload, gpu)
+
 
 def _describe(source: Any) -> str:
     if isinstance(source, nn.Module):

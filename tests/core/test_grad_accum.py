@@ -11,6 +11,7 @@ import time
 import pytest
 
 import llmem_plugin
+from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.step import STEADY_MICRO_STEPS, traced_micro_steps
 
 from ..conftest import tiny_config
@@ -95,3 +96,10 @@ def test_the_traced_step_does_not_grow_with_the_window():
     assert len(huge.memory_timeline) == len(small.memory_timeline)
     for name in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_tensor_bytes"):
         assert getattr(huge, name) == getattr(small, name), name
+
+
+def test_a_long_window_that_never_settles_is_refused(monkeypatch):
+    monkeypatch.setattr(_estimate, "_micro_steps_repeat", lambda *a, **k: False)
+    monkeypatch.setattr(_estimate, "_MAX_FULL_WINDOW", 10)
+    with pytest.raises(UnsupportedError, match=r"grad_accum_steps 12: .* not settled after 32 micro-steps.*HINT"):
+        llmem_plugin.estimate(tiny_config("llama"), seq_len=16, grad_accum_steps=12)
