@@ -25,9 +25,11 @@ EXIT_WONT_FIT = 3
 # torch's int64 sizes (2**24 tokens x 2**24 vocabulary x 4 bytes = 2**50).
 _MAX_TOKENS = 2**24
 _MAX_BATCH = 2**16
-# Every micro-step of the accumulation window is traced, so the run time grows
-# with it; 1024 covers a 1024-sequence global batch at micro-batch 1 on one GPU.
-_MAX_GRAD_ACCUM = 1024
+# The estimate traces the first micro-steps and the last and extrapolates the
+# steady state (estimate.py), so a long window costs no more; 65536 micro-steps
+# per optimizer step (a global batch of 65536 sequences per GPU at micro-batch
+# 1) is far beyond any fine-tuning recipe, and a larger value is a typo.
+_MAX_GRAD_ACCUM = 2**16
 # 2**20 GPUs is ten times the largest training clusters reported (about 100k).
 _MAX_GPUS = 2**20
 # A LoRA rank above the adapted layer's width adds nothing (the update is
@@ -89,11 +91,17 @@ def _float_arg(flag: str, low: float, high: float, *, low_open: bool = False, hi
     return parse
 
 
+# The float options' intervals: --lora-alpha (0, 1e6] (peft scales the
+# update by alpha / rank; recipes use 1 to 4 x rank, so 1e6 only stops typos);
+# --lora-dropout [0, 1) (torch.nn.Dropout's p; 1 would drop every input);
+# --margin [0, 1) (a fraction of GPU memory kept free); --efficiency (0, 1]
+# (model FLOPs utilisation); --inter-node-gbps (0, 1e4] (GB/s per GPU: 100 x
+# an 800 Gb/s NIC).
 _SEQ_LEN = _int_arg("--seq-len", 1, _MAX_TOKENS, "tokens per sequence; longer than any model's context")
 _BATCH = _int_arg("--batch-size", 1, _MAX_BATCH, "sequences per micro-batch")
 _MICRO_BATCH = _int_arg("--micro-batch", 1, _MAX_BATCH, "sequences per micro-batch")
 _GLOBAL_BATCH = _int_arg("--global-batch", 1, _MAX_BATCH * _MAX_GRAD_ACCUM, "micro-batch bound x accumulation bound")
-_GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "every micro-step is traced")
+_GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuning recipe")
 _GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "ten times the largest clusters")
 _NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
 _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
