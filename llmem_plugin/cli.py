@@ -412,8 +412,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
         render_methods(rows, skipped, gpu, Console(), host=host)
     if not any(all(r.fits for r in est.ranks) for est in rows):
-        what = f"--method {args.method}" if args.method != "all" else "no method"
-        print(f"llmem: {what} fits {num_gpus} x {gpu.name} ({gpu.capacity_bytes / 2**30:.1f} GiB each); exit code "
+        what = f"--method {args.method} does not fit" if args.method != "all" else "no method fits"
+        print(f"llmem: {what} {num_gpus} x {gpu.name} ({_size(gpu.capacity_bytes)} each); exit code "
               f"{EXIT_WONT_FIT}. HINT: `llmem plan` searches micro-batch, checkpointing and offload for a fit",
               file=sys.stderr)
         return EXIT_WONT_FIT
@@ -489,7 +489,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
         render_estimate(est, Console())
     if not est.fits:
-        print(f"llmem: the step does not fit the {gpu.name} ({est.capacity_bytes / 2**30:.1f} GiB); exit code "
+        print(f"llmem: the step does not fit the {gpu.name} ({_size(est.capacity_bytes)}); exit code "
               f"{EXIT_WONT_FIT}. HINT: `llmem plan` searches methods, micro-batch, checkpointing and offload for "
               "a fit", file=sys.stderr)
         return EXIT_WONT_FIT
@@ -767,6 +767,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def _one_line(e: BaseException) -> str:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
 
 
 def run(capsys, *argv):
@@ -81,3 +81,16 @@ def test_tensor_parallel_row_and_sequence_parallel(capsys):
     assert json.loads(out)["methods"][0]["peak_allocated_bytes"] <= row["peak_allocated_bytes"]
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--method", "ddp", "--gpus", "2", "--sequence-parallel")
     assert code == EXIT_BAD_INPUT and "--sequence-parallel needs a tensor-parallel method" in err
+
+
+def test_method_that_does_not_fit_exits_3(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "vocab_size": 256}))
+    # Two 32 MiB cuBLAS workspaces on an H100 (overheads.py) alone exceed 8 MiB.
+    code, out, err = run(capsys, "estimate", "--model", str(cfg), "--seq-len", "32", "--gpus", "2", "--method", "ddp",
+                         "--gpu-memory", "8MiB", "--json")
+    assert code == EXIT_WONT_FIT, err
+    assert not json.loads(out)["methods"][0]["fits"]
+    assert err.strip().splitlines()[-1].startswith("llmem: --method ddp does not fit 2 x h100-sxm (8 MiB each); exit code 3")
