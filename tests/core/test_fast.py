@@ -168,12 +168,12 @@ def test_plans_keep_the_prefix_and_whole_periods():
 
 
 CASES = {
-    "deepseek-v3": (deepseek_v3, Workload(seq_len=256, micro_batch_size=1, precision="bf16")),
-    "qwen3-moe-sparse-step-2": (qwen3_moe, Workload(seq_len=256, micro_batch_size=1, precision="bf16")),
-    "gemma-3": (gemma3, Workload(seq_len=128, micro_batch_size=1, precision="bf16-mixed")),
+    "deepseek-v3": (deepseek_v3, Workload(seq_len=64, micro_batch_size=1, precision="bf16")),
+    "qwen3-moe-sparse-step-2": (qwen3_moe, Workload(seq_len=64, micro_batch_size=1, precision="bf16")),
+    "gemma-3": (gemma3, Workload(seq_len=64, micro_batch_size=1, precision="bf16-mixed")),
     "mamba": (mamba, Workload(seq_len=8, micro_batch_size=1, precision="bf16-mixed")),
     "jamba": (jamba, Workload(seq_len=8, micro_batch_size=1, precision="bf16")),
-    "recurrent-gemma": (recurrent_gemma, Workload(seq_len=128, micro_batch_size=1, precision="bf16-mixed")),
+    "recurrent-gemma": (recurrent_gemma, Workload(seq_len=48, micro_batch_size=1, precision="bf16-mixed")),
 }
 # Known limitation (docs/estimator.md, "Fast mode"): the allocator's reserved
 # bytes are extrapolated per phase, and on these the full replay's reserved
