@@ -20,7 +20,7 @@ from llmem_plugin.overheads import (
     device_overheads,
     workspace_allocations,
 )
-from llmem_plugin.step import NUM_ITERATIONS, STEADY_MICRO_STEPS, micro_mark, trace_step
+from llmem_plugin.step import MAX_TRACED_MICRO_STEPS, NUM_ITERATIONS, STEADY_MICRO_STEPS, micro_mark, trace_step
 from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
@@ -284,12 +284,9 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, trac
 
 
 # Micro-steps traced at most while waiting for the allocator to settle, and
-# the longest window traced in full when it does not. Beyond both, the
-# estimate is refused rather than traced for hours (each micro-step is a full
-# forward and backward: an 8B model's 2 x 32 micro-steps at --grad-accum 32
-# took over 6 minutes when every one was traced, issue 15).
+# the longest window traced in full when it does not (step.MAX_TRACED_MICRO_STEPS).
 _MAX_SETTLING_MICRO_STEPS = 32
-_MAX_FULL_WINDOW = 256
+_MAX_FULL_WINDOW = MAX_TRACED_MICRO_STEPS
 
 
 def _allocator_state(alloc: CachingAllocator) -> tuple:

@@ -25,7 +25,7 @@ from llmem_plugin.emulation import (
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 from llmem_plugin.workload import OptimizerKind, Runner, Workload
 
-__all__ = ["NUM_ITERATIONS", "STEADY_MICRO_STEPS", "StepHooks", "host_resident_state", "make_optimizer",
+__all__ = ["MAX_TRACED_MICRO_STEPS", "NUM_ITERATIONS", "STEADY_MICRO_STEPS", "StepHooks", "host_resident_state", "make_optimizer",
            "micro_mark", "state_tensors", "trace_step", "traced_micro_steps"]
 
 NUM_ITERATIONS = 2
@@ -43,6 +43,12 @@ NUM_ITERATIONS = 2
 # allocator as it found it is made on the replay
 # (llmem_plugin.estimate._micro_steps_repeat).
 STEADY_MICRO_STEPS = 4
+# The longest accumulation window traced micro-step by micro-step: the
+# distributed methods trace every micro-step, and so does the single-GPU
+# estimate where the allocator does not settle. Each is a full forward and
+# backward (an 8B model's 2 x 32 micro-steps took over 6 minutes, issue 15),
+# so a longer window is refused there rather than traced for hours.
+MAX_TRACED_MICRO_STEPS = 256
 
 # Learning rate and weight decay do not change memory; these are HF Trainer's
 # defaults (TrainingArguments.learning_rate=5e-5), with AdamW's own decay.

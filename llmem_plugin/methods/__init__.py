@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from llmem_plugin.errors import ConfigError
+from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, RankMemory
 from llmem_plugin.methods.layout import Layout
@@ -76,6 +76,15 @@ def estimate_method(
     from llmem_plugin.techniques import check_supported
 
     check_supported(name, workload)
+    from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
+
+    if mod != "single" and workload.grad_accum_steps > MAX_TRACED_MICRO_STEPS:
+        # The methods trace every micro-step; only the single-GPU estimate
+        # shortens the window (llmem_plugin.estimate._steady_trace).
+        raise UnsupportedError(
+            f"--method {name} traces every micro-step of the accumulation window, and grad_accum_steps "
+            f"{workload.grad_accum_steps} is above {MAX_TRACED_MICRO_STEPS}. HINT: estimate it with --grad-accum "
+            f"{MAX_TRACED_MICRO_STEPS} or fewer, or with --method single")
     fn = importlib.import_module(f"llmem_plugin.methods.{mod}").estimate
     if not isinstance(gpu, GPU):
         from llmem_plugin.estimate import _resolve_gpu

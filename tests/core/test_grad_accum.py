@@ -103,3 +103,13 @@ def test_a_long_window_that_never_settles_is_refused(monkeypatch):
     monkeypatch.setattr(_estimate, "_MAX_FULL_WINDOW", 10)
     with pytest.raises(UnsupportedError, match=r"grad_accum_steps 12: .* not settled after 32 micro-steps.*HINT"):
         llmem_plugin.estimate(tiny_config("llama"), seq_len=16, grad_accum_steps=12)
+
+
+def test_methods_that_trace_every_micro_step_refuse_a_longer_window():
+    from llmem_plugin.methods import Layout, estimate_method
+    from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
+    from llmem_plugin.workload import Workload
+
+    wl = Workload(seq_len=16, grad_accum_steps=MAX_TRACED_MICRO_STEPS + 1)
+    with pytest.raises(UnsupportedError, match="--method ddp traces every micro-step.*HINT.*--method single"):
+        estimate_method("ddp", tiny_config("llama"), wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
