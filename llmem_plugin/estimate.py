@@ -39,10 +39,15 @@ __all__ = [
 # has tens of thousands of events.
 _TIMELINE_POINTS = 512
 DEFAULT_GPU = "h100-sxm"
-# Fast mode's reserved peak differed from the full replay by -1.8% to +0.7% in
-# benchmarks/results/speed-2026-11-22.json; within this fraction of the
-# capacity, the fits verdict is left to a full trace.
-FAST_VERDICT_BAND = 0.03
+# Fast mode's reserved peak differed from the full replay by -12.3% (mamba-130m)
+# to +32.2% (llama-3.2-3b) on the catalog and the layer-pattern configs in
+# benchmarks/results/fast-vs-full-2026-11-25.jsonl (allocated: within 0.65%):
+# the caching allocator's reserved bytes do not grow by a constant per layer.
+# A verdict is left to the full trace unless the extrapolated need is farther
+# from the capacity than that range allows: fast > cap * (1 + band) can only be
+# a misfit when band >= 0.323, fast < cap * (1 - band) only a fit when
+# band >= 0.123.
+FAST_VERDICT_BAND = 0.35
 _GIB = 2**30
 
 

@@ -76,6 +76,10 @@ def test_fast_leaves_a_close_verdict_to_the_full_trace():
     assert est.peak_reserved_bytes == full.peak_reserved_bytes
     roomy = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=2 * full.device_total_bytes)
     assert roomy.fast and roomy.fits
+    # 30% of headroom is inside the reserved error measured for fast mode
+    # (benchmarks/results/fast-vs-full-2026-11-25.jsonl: up to +32%): no verdict from it.
+    ample = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=int(1.3 * full.device_total_bytes))
+    assert not ample.fast and ample.fits
 
 
 # ---------------------------------------------------------------- layer kinds
