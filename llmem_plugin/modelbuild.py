@@ -61,11 +61,17 @@ def resolve_config(source: ModelSource):
     name = catalog.lookup(text)
     if name is not None:
         return catalog.load_config(name)
-    path = text
+    path = os.path.expanduser(text)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"folder {text!r} holds no config.json. HINT: pass the folder a transformers model "
+                              "was saved to, or the config.json itself")
     if os.path.isfile(path):
         return _config_from_file(path)
+    if _looks_like_path(text):
+        raise ConfigError(f"model path {text!r} does not exist. HINT: pass an existing config.json (or its "
+                          "folder), or a catalog name from `llmem models`")
     if "/" in text and not text.startswith((".", "/")) and text.count("/") == 1:
         try:
             return transformers.AutoConfig.from_pretrained(text, local_files_only=True)
@@ -124,6 +130,12 @@ _EXPERT_FIELDS: dict[str, int] = {
 # model_type "llama" builds Llama-2-7B's 6.74B parameters).
 _REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 _HINT_CONFIG = "HINT: pass the model's complete config.json as saved by transformers"
+
+
+def _looks_like_path(text: str) -> bool:
+    """A file path rather than a catalog name or a Hub id ("org/name")."""
+    return (text.endswith((".json", "/", os.sep)) or text.startswith((".", "/", "~", os.sep))
+            or text.count("/") > 1 or "\\" in text)
 
 
 def _config_from_file(path: str):
@@ -509,7 +521,9 @@ def set_num_layers(config, n: int):
         if getattr(cfg, key, None):
             setattr(cfg, key, n)
             break
-    layer_types = getattr(cfg, "layer_types", None)
+    # A stored per-layer list only: some configs (MambaConfig) derive
+    # ``layer_types`` in a read-only property from the layer count.
+    layer_types = vars(cfg).get("layer_types")
     if isinstance(layer_types, (list, tuple)) and len(layer_types) >= n:
         cfg.layer_types = list(layer_types[:n])
     return cfg

@@ -124,3 +124,21 @@ def test_a_validator_of_transformers_is_one_config_error(tmp_path):
     # validator) rejects heads that do not divide the width even with head_dim.
     with pytest.raises(ConfigError, match="malformed config .*not a multiple of the number of attention heads"):
         resolve_config(write(tmp_path, {**TINY, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}))
+
+
+@pytest.mark.parametrize("text", ["/nonexistent/config.json", "nonexistent_dir/", "a/b/c", "./config.json"])
+def test_missing_path_is_named_as_a_path_not_an_unknown_model(tmp_path, monkeypatch, text):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"model path '{text}' does not exist"):
+        resolve_config(text)
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        resolve_config(str(tmp_path))
+
+
+def test_home_relative_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path, TINY)
+    assert resolve_config("~/config.json").hidden_size == 64
