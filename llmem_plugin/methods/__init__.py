@@ -137,8 +137,11 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
     """A method's estimate at full depth from runs on two shortened models.
 
     As the single-GPU fast mode (:mod:`llmem_plugin.fast`), the model is cut
-    to ``n1`` and ``n1 + period`` layers and every per-rank quantity is taken
-    as affine in depth; ``n1`` is at least ``min_layers`` (3 for DeepSpeed,
+    to its prefix and suffix around ``a`` and ``a + 1`` repeating periods of
+    layer kinds (:mod:`llmem_plugin.layerkinds`: dense/expert, sliding/global,
+    hybrid blocks) and every per-rank quantity is taken as affine in the
+    number of periods; where the kinds cannot be told apart the full model
+    runs and a note says so. The shorter copy has at least ``min_layers`` (3 for DeepSpeed,
     whose 2-layer ZeRO-3 run is not yet on the line: its prefetch and
     persistence rules treat the first layers apart). The allocator's allocated peak is extrapolated phase
     by phase and the largest phase wins, since the peak moves between phases
@@ -152,18 +155,32 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
     shorter run.
     """
     from llmem_plugin import modelbuild
-    from llmem_plugin.fast import layer_period
+    from llmem_plugin.fast import fallback_note
+    from llmem_plugin.layerkinds import layer_kinds, plan_layers, shortened_config
 
     config = modelbuild.resolve_config(model)
     depth = modelbuild.num_layers(config)
-    period = layer_period(config)
-    n1 = max(min_layers, period)
-    n2 = n1 + period
-    if depth <= n2:
+    # The same cut as the single-GPU fast mode: the model's own prefix and
+    # suffix around a and a + 1 repeating periods (llmem_plugin.layerkinds).
+    kinds, reason = layer_kinds(config)
+    if kinds is None or len(kinds) != depth:
+        note = fallback_note(reason or f"the config lists {len(kinds or [])} layers, the model {depth}")
+        full = run(config)
+        return dataclasses.replace(full, notes=[*full.notes, note])
+    plan = plan_layers(kinds)
+    while plan is not None and plan.prefix + plan.traced * plan.period + plan.suffix < min_layers:
+        plan = dataclasses.replace(plan, traced=plan.traced + 1)
+    if plan is None or plan.traced + 2 > plan.repeats:
         return run(config)
-    short = run(modelbuild.set_num_layers(config, n1))
-    long = run(modelbuild.set_num_layers(config, n2))
-    scale = (depth - n1) / period
+    try:
+        c1, c2 = (shortened_config(config, plan.indices(u), kinds) for u in (plan.traced, plan.traced + 1))
+    except UnsupportedError as e:
+        full = run(config)
+        return dataclasses.replace(full, notes=[*full.notes, fallback_note(str(e))])
+    n1, n2 = plan.short_layers, plan.long_layers
+    short = run(c1)
+    long = run(c2)
+    scale = plan.repeats - plan.traced
     w2 = long.worst
     w1 = next((r for r in short.ranks if r.rank == w2.rank), short.worst)
     outside = w2.device_total_bytes - w2.peak_reserved_bytes  # context + NCCL: independent of depth

@@ -217,3 +217,26 @@ def test_unknown_model_type_has_no_kinds():
     cfg = transformers.StableLmConfig(num_hidden_layers=4)
     kinds, reason = layer_kinds(cfg)
     assert kinds is None and "stablelm" in reason
+
+
+# ------------------------------------------------ distributed methods' fast mode
+@pytest.mark.parametrize("make", [deepseek_v3, qwen3_moe], ids=["deepseek-v3", "qwen3-moe-step2"])
+def test_method_fast_mode_follows_the_layer_kinds(make):
+    # The distributed methods' fast mode cuts the model as the single-GPU one
+    # does: with dense-only short copies (the old cut to the first n layers)
+    # DeepSeek-V3's expert layers were never seen.
+    from llmem_plugin.methods import Layout, estimate_method
+
+    wl = Workload(seq_len=256, micro_batch_size=1, precision="bf16")
+    kw = dict(layout=Layout(num_gpus=2), gpu="h100-sxm")
+    fast = estimate_method("ddp", make(), wl, fast=True, **kw).worst
+    full = estimate_method("ddp", make(), wl, **kw).worst
+    close(fast, full, keys=("peak_tensor_bytes", "peak_allocated_bytes"))
+
+
+def test_method_fast_mode_builds_mamba():
+    from llmem_plugin.methods import Layout, estimate_method
+
+    wl = Workload(seq_len=64, micro_batch_size=1, precision="bf16")
+    est = estimate_method("ddp", mamba(), wl, fast=True, layout=Layout(num_gpus=2), gpu="h100-sxm")
+    assert est.worst.peak_allocated_bytes > 0

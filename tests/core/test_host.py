@@ -214,7 +214,9 @@ def test_unit_labels_name_the_checkpointing():
 def test_fast_mode_takes_zero_offload_host_at_full_depth():
     # DeepSpeed's pinned buffers are whole-model flat buffers: a power of two of
     # their size is not affine in depth, so the fast mode must not extrapolate it.
-    cfg = tiny_config("llama", num_hidden_layers=7)
+    # 9 layers: fast mode traces 3 and 4 (DeepSpeed's shortest) and extrapolates
+    # (at 7 both copies together are the model's depth: it runs in full).
+    cfg = tiny_config("llama", num_hidden_layers=9)
     kw = {"layout": Layout(num_gpus=2), "gpu": get_gpu("a10g")}
     fast = estimate_method("zero3-offload", cfg, WL, fast=True, **kw)
     full = estimate_method("zero3-offload", cfg, WL, **kw)
