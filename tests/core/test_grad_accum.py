@@ -113,3 +113,13 @@ def test_methods_that_trace_every_micro_step_refuse_a_longer_window():
     wl = Workload(seq_len=16, grad_accum_steps=MAX_TRACED_MICRO_STEPS + 1)
     with pytest.raises(UnsupportedError, match="--method ddp traces every micro-step.*HINT.*--method single"):
         estimate_method("ddp", tiny_config("llama"), wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
+
+
+def test_fast_mode_shortens_both_traced_depths_exactly(monkeypatch):
+    kw = {"model": tiny_config("llama", num_hidden_layers=8), "seq_len": 32, "grad_accum_steps": ACCUM,
+          "fast": True}
+    short = llmem_plugin.estimate(**kw)
+    full = _every_micro_step(monkeypatch, **kw)
+    assert short.fast and full.fast
+    assert any("micro-steps 1-3 and" in n for n in short.notes), short.notes
+    _same(short, full)
