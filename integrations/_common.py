@@ -242,14 +242,23 @@ class Check:
     prediction: Prediction
     estimate: Any
     report: str
+    # The process' host RAM within this machine's (Estimate.host_fits); a job
+    # whose host memory does not fit is stopped like a GPU misfit.
+    host_fits: bool = True
 
     def message(self) -> str:
         """One line: what was estimated against what the GPU holds."""
         p = self.prediction
         where = "single GPU" if p.method == "single" else f"{p.method} on {p.num_gpus} GPUs"
-        verdict = "fits" if self.fits else "does not fit"
-        return (f"{where}: {p.device_total_bytes / 2**30:.2f} GiB per GPU at the peak {verdict} "
+        gpu_fits = self.fits or not self.host_fits and self.estimate.device_total_bytes <= self.limit_bytes
+        verdict = "fits" if gpu_fits else "does not fit"
+        line = (f"{where}: {p.device_total_bytes / 2**30:.2f} GiB per GPU at the peak {verdict} "
                 f"{p.gpu} ({self.limit_bytes / 2**30:.2f} GiB usable of {self.capacity_bytes / 2**30:.2f} GiB)")
+        if not self.host_fits:
+            est = self.estimate
+            line += (f"; host memory does not fit: {est.host_bytes / 2**30:.2f} GiB of RAM needed, "
+                     f"{est.host_capacity_bytes / 2**30:.2f} GiB on this machine ({est.host_memory_source})")
+        return line
 
 
 def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gpus: int = 1, num_nodes: int = 1,
@@ -276,15 +285,17 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
     if method == "single" and num_gpus == 1:
         est = estimate(live.module, workload, gpu=target, host_memory="local")  # the job runs on this machine
         pred = Prediction.of(est, workload=workload, model=live.name, config=live.config_dict())
-        fits = bool(est.fits) and est.device_total_bytes <= limit
+        host_fits = bool(est.host_fits)
+        fits = bool(est.fits) and est.device_total_bytes <= limit and host_fits
     else:
+        host_fits = True  # per-method host verdicts are the planner's (llmem_plugin.host)
         layout = Layout(num_gpus=num_gpus, num_nodes=num_nodes, tp=tp)
         est = estimate_method(method, live.module, workload, layout=layout, gpu=target, **(options or {}))
         pred = dataclasses.replace(Prediction.of(est, workload=workload, model=live.name,
                                                  config=live.config_dict()), gpu=gpu.name)
         fits = all(r.fits for r in est.ranks) and est.worst.device_total_bytes <= limit
     return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
-                 report=report_text(est, gpu=target))
+                 report=report_text(est, gpu=target), host_fits=host_fits)
 
 
 def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | None, num_gpus: int,
