@@ -788,10 +788,14 @@ def _quiet_worker() -> None:
 
 def _verify(ctx: _Context, c: Candidate) -> Candidate:
     """The candidate's memory from the method's full trace at exactly its
-    configuration. Accumulation is traced with at most 2 micro-steps: from
-    the second on, every micro-step repeats the same allocations on the same
-    live state, so the peak is reached by then."""
-    wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=min(c.grad_accum, 2),
+    configuration. The single-GPU step takes the whole accumulation window:
+    its trace stops once a micro-step leaves the simulated allocator as it
+    found it (``estimate._steady_trace``). The distributed methods trace
+    every micro-step they are given and get at most 2: from the second on,
+    every micro-step repeats the same allocations on the same live state
+    (not checked against the allocator for them)."""
+    accum = c.grad_accum if c.method == "single" else min(c.grad_accum, 2)
+    wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=accum,
                              grad_checkpointing=c.grad_checkpointing)
     est = _registry_call(_Config(c.method, c.tp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=False)
     w = est.worst
