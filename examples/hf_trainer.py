@@ -81,6 +81,8 @@ def main() -> None:
                       callbacks=[callback])
     trainer.train()
     if trainer.is_world_process_zero():
+        if callback.check is None:  # nothing to check against (the callback warned why) and training went on
+            return
         print(callback.check.message())
         if callback.comparison is not None:
             print("llmem:", callback.comparison.summary())

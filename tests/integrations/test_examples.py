@@ -63,3 +63,15 @@ def test_pipeline_guard_leaves_no_file_behind_without_plan(tmp_path):
     assert "method=" in ok.stdout
     assert list((tmp_path / "cwd").iterdir()) == []
     assert list((tmp_path / "tmp").glob("llmem-plan*")) == []  # the temporary plan is removed on exit
+
+
+def test_hf_trainer_example_trains_unchecked_on_cpu_without_a_gpu_name(tmp_path):
+    # A new user's first run: no CUDA, no --gpu. The callback warns once with
+    # what to pass, and the job trains to the end.
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMEM_GPU", "LLMEM_GPU_MEMORY", "LLMEM_STRICT")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--tiny",
+                           "--output-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("the job is not checked, training goes on") == 1
+    assert "Traceback" not in proc.stderr
