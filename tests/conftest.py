@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import transformers
 
@@ -39,3 +41,14 @@ def tiny_config(arch: str, **overrides):
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def no_bitsandbytes(monkeypatch):
+    """Make every ``import bitsandbytes...`` fail, as on a machine without it."""
+    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError):
+        import bitsandbytes  # noqa: F401
+    yield

@@ -226,17 +226,6 @@ def test_cli_estimate_with_a_paged_8bit_optimizer(capsys):
 # ----------------------------------------------------------------------------- without bitsandbytes
 
 
-@pytest.fixture
-def no_bitsandbytes(monkeypatch):
-    """Make every ``import bitsandbytes...`` fail, as on a machine without it."""
-    import sys
-
-    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(ImportError):
-        import bitsandbytes  # noqa: F401
-    yield
 
 
 def _events(kind: str):

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,16 +37,6 @@ def test_a_method_that_needs_two_gpus_on_one_gpu_is_a_config_error_naming_why():
 def test_single_on_two_gpus_is_a_config_error_naming_why():
     with pytest.raises(ConfigError, match=r"single runs on one GPU, not 2\. HINT: .*--gpus 1"):
         plan(tiny_config("llama"), gpu="h100-sxm", num_gpus=2, methods=["single"])
-
-
-@pytest.fixture
-def no_bitsandbytes(monkeypatch):
-    """Make every ``import bitsandbytes...`` fail, as on a machine without it."""
-    for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(ImportError):
-        import bitsandbytes  # noqa: F401
 
 
 def test_nothing_fits_without_bitsandbytes_is_a_wont_fit_with_the_8bit_suggestion(no_bitsandbytes):
