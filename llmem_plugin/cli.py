@@ -30,14 +30,18 @@ _MAX_BATCH = 2**16
 # per optimizer step (a global batch of 65536 sequences per GPU at micro-batch
 # 1) is far beyond any fine-tuning recipe, and a larger value is a typo.
 _MAX_GRAD_ACCUM = 2**16
-# 2**20 GPUs is ten times the largest training clusters reported (about 100k).
-_MAX_GPUS = 2**20
+# 65536 GPUs is four times the 16,384 H100s of Llama 3 405B's pre-training
+# ("The Llama 3 Herd of Models", 2024, section 3.3); the ZeRO stages' emulation
+# takes time linear in the data-parallel size, so a million GPUs would run for
+# minutes.
+_MAX_GPUS = 2**16
 # A LoRA rank above the adapted layer's width adds nothing (the update is
 # full-rank there); the widest catalog layer (llama-3.1-405b's MLP) is 53248.
 _MAX_LORA_RANK = 2**16
 # Tensor-parallel degrees stay inside one node (methods/layout.py); 72 is the
 # largest NVLink domain sold (GB200 NVL72).
 _MAX_TP = 72
+_MAX_GPUS_PER_NODE = 72
 # Torch versions whose overheads are modelled: pyproject's floor (torch>=2.6)
 # to the installed line read for the allocator and workspaces
 # (docs/allocator.md: cuBLAS workspace rows cover 2.6 to 2.13).
@@ -102,7 +106,7 @@ _BATCH = _int_arg("--batch-size", 1, _MAX_BATCH, "sequences per micro-batch")
 _MICRO_BATCH = _int_arg("--micro-batch", 1, _MAX_BATCH, "sequences per micro-batch")
 _GLOBAL_BATCH = _int_arg("--global-batch", 1, _MAX_BATCH * _MAX_GRAD_ACCUM, "micro-batch bound x accumulation bound")
 _GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuning recipe")
-_GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "ten times the largest clusters")
+_GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "four times the largest published training job")
 _NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
 _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
 _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
@@ -260,6 +264,11 @@ def _check_args(args: argparse.Namespace) -> None:
         _csv(args.tp, _TP)
     if getattr(args, "plot", None):
         _check_output_path(args.plot, "--plot", suffixes=(".png", ".svg", ".pdf"))
+    gpus, nodes = getattr(args, "gpus", None), getattr(args, "nodes", 1)
+    if gpus is not None and gpus > _MAX_GPUS_PER_NODE * nodes:
+        raise ConfigError(f"--gpus {gpus} over --nodes {nodes} puts {-(-gpus // nodes)} GPUs on a node; a node holds "
+                          f"at most {_MAX_GPUS_PER_NODE} (the largest NVLink domain). HINT: pass --nodes "
+                          f"{-(-gpus // _MAX_GPUS_PER_NODE)} or more")
     if hasattr(args, "lora_rank"):
         _lora(args)  # LoRA options without LoRA, malformed targets
     seq_len = getattr(args, "seq_len", None)

@@ -62,7 +62,7 @@ def test_single_method_matches_plain_estimate(capsys):
     (["--method", "ddp", "--gpus", "8", "--nodes", "2", "--tp", "8"], "stays inside one node"),
     (["--method", "ddp", "--gpus", "2", "--tp", "2"], "--tp"),
     (["--method", "ddp", "--gpus", "2", "--offload", "optimizer"], "--offload is not modelled"),
-    (["--method", "ddp", "--gpus", "0"], "argument --gpus: 0 is outside [1, 1048576]"),
+    (["--method", "ddp", "--gpus", "0"], "argument --gpus: 0 is outside [1, 65536]"),
 ])
 def test_layout_errors_exit_2(capsys, argv, fragment):
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", *argv)

@@ -248,6 +248,10 @@ def _contradiction_cases():
         _case([*E, "--offload", "optimizer", "--method", "ddp", "--gpus", "2"], expect="--offload"),
         _case([*E, "--method", "tp", "--tp", "3", "--gpus", "4"], expect="--tp"),
         _case([*E, "--nodes", "2", "--gpus", "3"], expect="--nodes"),
+        _case([*E, "--gpus", "128"], expect="--nodes"),  # 128 GPUs on one node
+        _case([*E, "--gpus", "65536", "--nodes", "2"], expect="--nodes"),
+        _case([*E, "--gpus", "1048576", "--nodes", "16384"], expect="--gpus"),
+        _case([*P, "--gpus", "4096"], expect="--nodes"),
         _case([*E, "--nodes", "4", "--gpus", "2"], expect="--nodes"),
         _case([*E, "--tp", "2"], expect="--tp"),
         _case([*E, "--tp", "4", "--gpus", "2"], expect="--tp"),
