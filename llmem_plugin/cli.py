@@ -42,10 +42,6 @@ _MAX_LORA_RANK = 2**16
 # largest NVLink domain sold (GB200 NVL72).
 _MAX_TP = 72
 _MAX_GPUS_PER_NODE = 72
-# Torch versions whose overheads are modelled: pyproject's floor (torch>=2.6)
-# to the installed line read for the allocator and workspaces
-# (docs/allocator.md: cuBLAS workspace rows cover 2.6 to 2.13).
-_TORCH_VERSIONS = ((2, 6), (2, 13))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -299,18 +295,9 @@ def _check_gpu_memory(text: str) -> None:
 
 
 def _check_torch_version(text: str) -> None:
-    import re
+    from llmem_plugin.versions import check_torch_version
 
-    from llmem_plugin.errors import ConfigError
-
-    low, high = (".".join(map(str, v)) for v in _TORCH_VERSIONS)
-    m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})(?:\.\d{1,3})?(?:[+.a-z0-9]*)?", text.strip(), re.IGNORECASE)
-    if m is None:
-        raise ConfigError(f"--torch-version {text!r} is not a torch version. HINT: e.g. --torch-version 2.13.0 "
-                          f"(modelled: {low} to {high})")
-    if not _TORCH_VERSIONS[0] <= (int(m.group(1)), int(m.group(2))) <= _TORCH_VERSIONS[1]:
-        raise ConfigError(f"--torch-version {text} is outside the modelled range {low} to {high}: its allocator "
-                          f"and workspace sizes are not modelled. HINT: pass a version from {low} to {high}")
+    check_torch_version(text)
 
 
 def _check_output_path(path: str, flag: str, *, suffixes: tuple[str, ...]) -> None:

@@ -70,8 +70,12 @@ DEFAULT_NCCL_CHANNELS = 16
 
 
 def _version(text: str | None) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", text or torch.__version__)
-    assert m, f"unparseable torch version {text!r}"
+    if text is not None:  # a user's value: a version inside the modelled range
+        from llmem_plugin.versions import check_torch_version
+
+        return check_torch_version(text, name="torch_version")
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    assert m, f"unparseable installed torch version {torch.__version__!r}"
     return int(m.group(1)), int(m.group(2))
 
 

@@ -129,3 +129,11 @@ def test_gib_helpers_are_the_byte_fields_over_2_30(est):
     assert est.capacity_gib == est.capacity_bytes / 2**30
     assert est.headroom_bytes == est.capacity_bytes - est.device_total_bytes
     assert est.headroom_gib == est.headroom_bytes / 2**30
+
+
+@pytest.mark.parametrize("version, match", [("abc", r"torch_version 'abc' is not a torch version"),
+                                            ("2.1.0", r"torch_version 2\.1\.0 is outside the modelled range 2\.6 "
+                                                      r"to 2\.13")])
+def test_torch_version_outside_the_modelled_range_is_refused(version, match):
+    with pytest.raises(ConfigError, match=match):
+        llmem_plugin.estimate(tiny_config("llama"), seq_len=16, torch_version=version)
