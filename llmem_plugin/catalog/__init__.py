@@ -120,6 +120,9 @@ def _raw_config(name: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+_MAX_NAME_SHOWN = 80
+
+
 def _unknown(name: str) -> ConfigError:
     keys = _keys()
     suggestions: list[str] = []
@@ -128,7 +131,9 @@ def _unknown(name: str) -> ConfigError:
             suggestions.append(keys[key])
     suggestions = suggestions[:_NUM_SUGGESTIONS]
     did_you_mean = f"; did you mean {', '.join(repr(s) for s in suggestions)}?" if suggestions else ";"
-    return ConfigError(f"unknown model {name!r}{did_you_mean} {_HINT}")
+    # The message stays one readable line whatever was typed.
+    shown = name if len(name) <= _MAX_NAME_SHOWN else f"{name[:_MAX_NAME_SHOWN]}... ({len(name)} characters)"
+    return ConfigError(f"unknown model {shown!r}{did_you_mean} {_HINT}")
 
 
 def _resolve(name: str) -> str:

@@ -179,3 +179,11 @@ def test_published_params_always_name_their_source() -> None:
         e = catalog.entry(name)
         if e.published_params is not None:
             assert e.published_params_source
+
+
+def test_a_very_long_unknown_name_is_cut_in_the_message():
+    with pytest.raises(ConfigError) as e:
+        catalog.load_config("x" * 5000)
+    message = str(e.value)
+    assert "x" * 80 + "... (5000 characters)" in message and "x" * 81 not in message
+    assert len(message) < 300
