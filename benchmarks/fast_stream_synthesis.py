@@ -49,7 +49,7 @@ from llmem_plugin.gpus import get_gpu
 from llmem_plugin.layerkinds import layer_kinds, plan_layers, shortened_config
 from llmem_plugin.overheads import device_overheads
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult, _tensors_in
-from llmem_plugin.workload import LoraSpec, Workload
+from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Runner, Workload
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
 _UNSET = object()
@@ -69,6 +69,7 @@ class LayerTracker(MemoryTracker):
         self.ev_seg: list[int | None] = []
         self._param_layer: dict[int, int | None] = {}
         self._override: Any = _UNSET
+        self._opt_running: int | None = None
 
     def watch_modules(self, model: torch.nn.Module) -> None:
         super().watch_modules(model)
@@ -83,6 +84,18 @@ class LayerTracker(MemoryTracker):
             self._see(t.untyped_storage(), category)
         self._override = _UNSET
         self.label(tensors, category)
+
+    def _backward_hook(self, name: str):
+        def hook(grad: torch.Tensor) -> None:
+            self._backward_module = name
+            if self.phase is Phase.BACKWARD:
+                # torch.utils.checkpoint stops a recomputation early (by an
+                # exception) once it has the tensors it needs: the recomputed
+                # modules' forward hooks never pop them, and the stale names
+                # would attribute the next layers' backward to them.
+                self._module_stack.clear()
+
+        return hook
 
     def _context_layer(self) -> int | None:
         return layer_of(self.current_module)
@@ -113,6 +126,11 @@ class LayerTracker(MemoryTracker):
         if not _pause.is_paused():
             outs = list(_tensors_in(out))
             tags = self._optimizer_tags(args, kwargs, outs, out) if self.phase is Phase.OPTIMIZER else [_UNSET] * len(outs)
+            # The layer a per-parameter optimizer loop is at (torch.optim's
+            # foreach=False): a temporary of the previous parameter is freed
+            # when its variable is rebound, after this op's output.
+            one = len(outs) == 1 and not isinstance(out, (list, tuple))
+            self._opt_running = tags[0] if one and self.phase is Phase.OPTIMIZER else None
             for t, tag in zip(outs, tags):
                 self._override = tag
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
@@ -129,9 +147,10 @@ class LayerTracker(MemoryTracker):
 
     def _free(self, key: int) -> None:
         idx = self._live[key]
-        if self.phase in (Phase.FORWARD, Phase.BACKWARD):
-            seg = self._context_layer()
-        else:
+        seg = self._context_layer() if self.phase in (Phase.FORWARD, Phase.BACKWARD) else self._opt_running
+        if seg is None:
+            # Outside any layer (the optimizer, the autocast cache freed at the
+            # end of the forward): frees come layer by layer, in the record's.
             seg = self.rec_layer[idx]
         super()._free(key)
         self.ev_seg.append(seg)
@@ -153,17 +172,25 @@ def device_stream(tr: LayerTracker) -> dict:
         ph.append(phase)
     for name, i in tr._marks.items():
         marks.setdefault(name, len(ev))
-    return dict(events=ev, seg=seg, phase=ph, marks=marks, rec_layer=tr.rec_layer, num_layers=None)
+    return dict(events=ev, seg=seg, phase=ph, marks=marks, rec_layer=tr.rec_layer,
+                rec_module=[r.module for r in tr._records], rec_phase=[r.phase.value for r in tr._records],
+                rec_nbytes=[r.nbytes for r in tr._records])
 
 
 def synthesize(s: dict, k: int, d: int) -> tuple[dict, dict]:
     """``s`` with ``d`` copies of layer ``k`` inserted after it (see the module docstring)."""
     rec_layer = s["rec_layer"]
-    ordinal: dict[int, int] = {}
-    per_layer: dict[int | None, int] = {}
+    # A record's role in its layer: the module (layer number taken out), the
+    # phase, the bytes, and how many records of the layer had these before.
+    # The first and last layers make a few records the others do not (LoRA:
+    # the first layer's input needs no gradient), so a plain ordinal would
+    # not match a neighbour's record with the template's.
+    ordinal: dict[int, tuple] = {}
+    seen: dict[tuple, int] = {}
     for r, lay in enumerate(rec_layer):
-        ordinal[r] = per_layer.get(lay, 0)
-        per_layer[lay] = ordinal[r] + 1
+        sig = (lay, _LAYER.sub(".#", s["rec_module"][r]), s["rec_phase"][r], s["rec_nbytes"][r])
+        ordinal[r] = (*sig[1:], seen.get(sig, 0))
+        seen[sig] = seen.get(sig, 0) + 1
 
     def full_layer(lay: int) -> int:
         return lay if lay <= k else lay + d
@@ -295,6 +322,9 @@ def configs() -> dict[str, tuple[Any, Workload]]:
                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                         tie_word_embeddings=False)
     gpt2 = GPT2Config(vocab_size=8000, n_embd=512, n_layer=12, n_head=8, n_positions=1024)
+    wide = LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
+                       tie_word_embeddings=False)
     wl = Workload(seq_len=256)
     return {
         "llama": (llama, wl),
@@ -303,6 +333,11 @@ def configs() -> dict[str, tuple[Any, Workload]]:
         "llama-ckpt": (llama, replace(wl, grad_checkpointing=True)),
         "llama-lora": (llama, replace(wl, lora=LoraSpec(rank=16))),
         "llama-accum2": (llama, replace(wl, grad_accum_steps=2)),
+        "llama-hf": (llama, replace(wl, runner=Runner.HF_TRAINER)),
+        "llama-forloop": (llama, replace(wl, optimizer=OptimizerKind.ADAMW_FORLOOP)),
+        "llama-adafactor": (llama, replace(wl, optimizer=OptimizerKind.ADAFACTOR)),
+        "llama-fp32": (llama, replace(wl, precision=Precision.FP32)),
+        "llama-wide": (wide, replace(wl, seq_len=512)),
     }
 
 
