@@ -156,9 +156,25 @@ class LayerTracker(MemoryTracker):
         self.ev_seg.append(seg)
 
 
-def device_stream(tr: LayerTracker) -> dict:
+def unit_map(prefix: int, period: int, units: int):
+    """Layer -> (unit, layer's place in its unit) in a copy with ``units``
+    periods: the prefix's and the suffix's layers are units of their own."""
+    def f(layer: int | None) -> tuple[int | None, int]:
+        if layer is None:
+            return None, 0
+        if layer < prefix:
+            return layer, 0
+        if layer < prefix + units * period:
+            return prefix + (layer - prefix) // period, (layer - prefix) % period
+        return prefix + units + (layer - prefix - units * period), 0
+    return f
+
+
+def device_stream(tr: LayerTracker, unit_of=None) -> dict:
     """The tracker's device events (HOST records dropped, as ``result()`` does)
-    with their segment, phase, and the marks at device-event positions."""
+    with their segment, phase, and the marks at device-event positions;
+    layers become units (periods) with ``unit_of`` (see :func:`unit_map`)."""
+    unit_of = unit_of or (lambda layer: (layer, 0))
     at_event = {i: name for name, i in tr._marks.items()}
     ev, seg, ph, marks = [], [], [], {}
     for i, ((sign, idx), phase) in enumerate(zip(tr._events, tr._phase_of_event)):
@@ -168,12 +184,14 @@ def device_stream(tr: LayerTracker) -> dict:
         if rec.category is MemoryCategory.HOST:
             continue
         ev.append((sign, idx, rec.nbytes))
-        seg.append(tr.ev_seg[i])
+        seg.append(unit_of(tr.ev_seg[i])[0])
         ph.append(phase)
     for name, i in tr._marks.items():
         marks.setdefault(name, len(ev))
-    return dict(events=ev, seg=seg, phase=ph, marks=marks, rec_layer=tr.rec_layer,
-                rec_module=[r.module for r in tr._records], rec_phase=[r.phase.value for r in tr._records],
+    units = [unit_of(layer) for layer in tr.rec_layer]
+    return dict(events=ev, seg=seg, phase=ph, marks=marks, rec_layer=[u for u, _ in units],
+                rec_module=[_LAYER.sub(f".#{off}.", r.module) for r, (_, off) in zip(tr._records, units)],
+                rec_phase=[r.phase.value for r in tr._records],
                 rec_nbytes=[r.nbytes for r in tr._records])
 
 
@@ -188,7 +206,7 @@ def synthesize(s: dict, k: int, d: int) -> tuple[dict, dict]:
     ordinal: dict[int, tuple] = {}
     seen: dict[tuple, int] = {}
     for r, lay in enumerate(rec_layer):
-        sig = (lay, _LAYER.sub(".#", s["rec_module"][r]), s["rec_phase"][r], s["rec_nbytes"][r])
+        sig = (lay, s["rec_module"][r], s["rec_phase"][r], s["rec_nbytes"][r])
         ordinal[r] = (*sig[1:], seen.get(sig, 0))
         seen[sig] = seen.get(sig, 0) + 1
 
@@ -275,6 +293,28 @@ def synthesize(s: dict, k: int, d: int) -> tuple[dict, dict]:
     return dict(events=events, phase=out_ph, marks=marks), stats
 
 
+def diff_synthesis(short: dict, long: dict, d: int) -> tuple[list[tuple[int, int]], dict]:
+    """The other route: diff the two copies' (sign, bytes) sequences and repeat
+    every chunk the longer one inserts ``d`` times. It gives no free's
+    allocation (a replay needs one), only the sequence to compare."""
+    import difflib
+
+    a = [(e[0], e[2]) for e in short["events"]]
+    b = [(e[0], e[2]) for e in long["events"]]
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    out: list[tuple[int, int]] = []
+    kinds: dict[str, int] = {}
+    for tag, i1, i2, j1, j2 in ops:
+        kinds[tag] = kinds.get(tag, 0) + 1
+        if tag == "equal":
+            out += a[i1:i2]
+        elif tag == "insert":
+            out += b[j1:j2] * d
+        else:
+            out += b[j1:j2]  # a replace or delete: not a repetition (counted in kinds)
+    return out, kinds
+
+
 def canonical(events: list[tuple[int, Any, int]]) -> list[tuple[int, int, int]]:
     """(sign, bytes, index of the allocation event a free releases): two streams
     with equal canonical forms replay identically."""
@@ -316,7 +356,7 @@ def traced(config: Any, workload: Workload) -> tuple[LayerTracker, TraceResult, 
 
 
 def configs() -> dict[str, tuple[Any, Workload]]:
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig
 
     llama = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=12,
                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
@@ -325,6 +365,9 @@ def configs() -> dict[str, tuple[Any, Workload]]:
     wide = LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
                        tie_word_embeddings=False)
+    gemma = Gemma3TextConfig(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=24,
+                             num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=64,
+                             sliding_window_pattern=3, max_position_embeddings=1024)
     wl = Workload(seq_len=256)
     return {
         "llama": (llama, wl),
@@ -338,6 +381,9 @@ def configs() -> dict[str, tuple[Any, Workload]]:
         "llama-adafactor": (llama, replace(wl, optimizer=OptimizerKind.ADAFACTOR)),
         "llama-fp32": (llama, replace(wl, precision=Precision.FP32)),
         "llama-wide": (wide, replace(wl, seq_len=512)),
+        # Period 3 (two sliding-window layers, one global), 24 and 23 layers.
+        "gemma3-p3": (gemma, wl),
+        "gemma3-p3-suffix": (replace_layers(gemma, 23), wl),
     }
 
 
@@ -346,6 +392,8 @@ def replace_layers(config: Any, n: int) -> Any:
 
     c = copy.deepcopy(config)
     c.num_hidden_layers = n
+    if getattr(c, "layer_types", None):
+        c.layer_types = c.layer_types[:n]
     return c
 
 
@@ -356,7 +404,7 @@ def pct(x: int, ref: int) -> str:
 def run_one(name: str, config: Any, workload: Workload) -> None:
     kinds, reason = layer_kinds(config)
     plan = plan_layers(kinds)
-    assert plan is not None and plan.period == 1 and plan.prefix == 0 and plan.suffix == 0, plan
+    assert plan is not None, "no shorter copy to trace"
     n = plan.num_layers
     alloc_conf = AllocatorConfig.from_env("")
     probe = modelbuild.build_model(config, workload)
@@ -367,23 +415,33 @@ def run_one(name: str, config: Any, workload: Workload) -> None:
     t_full, r_full, s_full = traced(config, workload)
     t_short, r_short, s_short = traced(c_short, workload)
     t_long, r_long, s_long = traced(c_long, workload)
-    streams = {lab: device_stream(t) for lab, t in (("full", t_full), ("short", t_short), ("long", t_long))}
+    units = {"full": plan.repeats, "short": plan.traced, "long": plan.traced + 1}
+    tracers = {"full": t_full, "short": t_short, "long": t_long}
+    streams = {lab: device_stream(t, unit_map(plan.prefix, plan.period, units[lab])) for lab, t in tracers.items()}
     sim_full = simulate(streams["full"], alloc_conf, overheads)
     sim_long = simulate(streams["long"], alloc_conf, overheads)
     ext = Extrapolation(None, r_short, r_long, plan.repeats - plan.traced, plan)
     affine = _extrapolated_simulation(ext, alloc_conf, overheads)
-    print(f"## {name}: {n} layers, short {plan.short_layers}, long {plan.long_layers}; "
+    print(f"## {name}: {n} layers = prefix {plan.prefix} + {plan.repeats} x {plan.period} + suffix {plan.suffix}; "
+          f"short {plan.short_layers}, long {plan.long_layers} layers; "
           f"trace s: full {s_full:.1f}, short {s_short:.1f}, long {s_long:.1f}; events full {len(streams['full']['events'])}")
     print(f"  full replay: allocated {sim_full.peak_allocated_bytes}, reserved {sim_full.peak_reserved_bytes}")
     print(f"  affine fast mode: allocated {affine.peak_allocated_bytes} ({pct(affine.peak_allocated_bytes, sim_full.peak_allocated_bytes)}), "
           f"reserved {affine.peak_reserved_bytes} ({pct(affine.peak_reserved_bytes, sim_full.peak_reserved_bytes)})")
-    cases = [("short->long", "short", plan.short_layers, "long", sim_long),
-             ("long->full", "long", plan.long_layers, "full", sim_full),
-             ("short->full", "short", plan.short_layers, "full", sim_full)]
-    for label, src, src_layers, dst, sim_ref in cases:
-        for k in range(1, src_layers - 1):
+    for src, dst in (("short", "long"), ("short", "full")):
+        t0 = time.perf_counter()
+        seq, kinds_ = diff_synthesis(streams[src], streams["long"], units[dst] - units[src])
+        want = [(e[0], e[2]) for e in streams[dst]["events"]]
+        diff = first_difference(seq, want)
+        print(f"  sequence diff {src}->{dst}: opcodes {kinds_}, {time.perf_counter() - t0:.2f} s; (sign, bytes) sequence "
+              + ("identical" if diff is None else f"first differs at event {diff}/{len(want)} ({len(seq)} synthesized)"))
+    cases = [("short->long", "short", "long", sim_long), ("long->full", "long", "full", sim_full),
+             ("short->full", "short", "full", sim_full)]
+    for label, src, dst, sim_ref in cases:
+        # Template: a unit of the body with a unit before it.
+        for k in range(max(plan.prefix, 1), plan.prefix + units[src]):
             t0 = time.perf_counter()
-            syn, stats = synthesize(streams[src], k, len_layers(dst, plan) - src_layers)
+            syn, stats = synthesize(streams[src], k, units[dst] - units[src])
             t_syn = time.perf_counter() - t0
             t0 = time.perf_counter()
             sim = simulate(syn, alloc_conf, overheads)
@@ -403,10 +461,6 @@ def run_one(name: str, config: Any, workload: Workload) -> None:
                   f"reserved {sim.peak_reserved_bytes} ({pct(sim.peak_reserved_bytes, sim_ref.peak_reserved_bytes)}); "
                   f"synth {t_syn:.2f} s + replay {t_rep:.2f} s; runs {stats}; stream: {where}")
     sys.stdout.flush()
-
-
-def len_layers(dst: str, plan: Any) -> int:
-    return {"full": plan.num_layers, "long": plan.long_layers, "short": plan.short_layers}[dst]
 
 
 def main(argv: list[str]) -> None:
