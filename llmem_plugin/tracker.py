@@ -183,6 +183,13 @@ class MemoryTracker(TorchDispatchMode):
     def _backward_hook(self, name: str):
         def hook(grad: torch.Tensor) -> None:
             self._backward_module = name
+            if self.phase is Phase.BACKWARD:
+                # torch.utils.checkpoint stops a recomputation early once it
+                # has the tensors it needs (checkpoint.py, _StopRecomputationError
+                # in the non-reentrant variant): the recomputed modules' forward
+                # hooks never pop them, and those stale names would attribute
+                # the next layers' backward to a layer already done.
+                self._module_stack.clear()
 
         return hook
 

@@ -52,3 +52,39 @@ def test_host_resident_storages_are_not_counted():
         tracker.label([b], MemoryCategory.HOST)
     assert tracker.result().peak_bytes == 1024
     del a, b
+
+
+def test_backward_under_checkpointing_is_attributed_to_the_running_layer():
+    """torch.utils.checkpoint stops a recomputation early once it has the
+    tensors it needs, so the recomputed modules' forward hooks never pop them;
+    the backward's allocations must still be attributed layer by layer, from
+    the last layer down (a stale module stack named a layer already done)."""
+    import re
+
+    from llmem_plugin import modelbuild
+    from llmem_plugin.estimate import _trace
+    from llmem_plugin.tracker import Phase
+    from llmem_plugin.workload import Workload
+
+    from ..conftest import tiny_config
+
+    class Recording(MemoryTracker):
+        seen: list = []
+
+        def _see(self, storage, category):
+            if self.phase is Phase.BACKWARD:
+                m = re.search(r"layers\.(\d+)", self.current_module)
+                if m:
+                    self.seen.append(int(m.group(1)))
+            super()._see(storage, category)
+
+    wl = Workload(seq_len=32, grad_checkpointing=True)
+    model = modelbuild.build_model(tiny_config("llama", num_hidden_layers=4), wl)
+    Recording.seen = []
+    _trace(model, wl, tracker=Recording())
+    layers = Recording.seen
+    assert set(layers) == {0, 1, 2, 3}
+    # Each traced step's backward runs layer 3 down to 0; the only step up is
+    # from one step's layer 0 to the next step's layer 3.
+    ups = [(a, b) for a, b in zip(layers, layers[1:]) if a < b]
+    assert ups and all(up == (0, 3) for up in ups), ups
