@@ -9,7 +9,8 @@ stream of a copy with fewer layers, and replayed:
 1. A :class:`MemoryTracker` subclass tags every record with the decoder layer
    it belongs to (forward: the module running when it is allocated; backward:
    the module whose gradient hook fired last, or the recomputed forward under
-   gradient checkpointing; optimizer: the layer of the parameter the foreach
+   gradient checkpointing (the library's tracker clears a stopped
+   recomputation's module stack when a gradient hook fires); optimizer: the layer of the parameter the foreach
    op's list element (or the single-tensor op's input) belongs to; the
    parameters registered at setup: their name), and every event with the
    layer whose code runs it (its "segment": the running layer in forward and
@@ -84,18 +85,6 @@ class LayerTracker(MemoryTracker):
             self._see(t.untyped_storage(), category)
         self._override = _UNSET
         self.label(tensors, category)
-
-    def _backward_hook(self, name: str):
-        def hook(grad: torch.Tensor) -> None:
-            self._backward_module = name
-            if self.phase is Phase.BACKWARD:
-                # torch.utils.checkpoint stops a recomputation early (by an
-                # exception) once it has the tensors it needs: the recomputed
-                # modules' forward hooks never pop them, and the stale names
-                # would attribute the next layers' backward to them.
-                self._module_stack.clear()
-
-        return hook
 
     def _context_layer(self) -> int | None:
         return layer_of(self.current_module)
