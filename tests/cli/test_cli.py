@@ -10,15 +10,13 @@ import sys
 import pytest
 
 from llmem_plugin import catalog
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+
+from ._run import run
 
 MOE = {"mixtral-8x7b", "qwen3-30b-a3b"}
 
 
-def run(capsys, *argv: str):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize("name", catalog.names())

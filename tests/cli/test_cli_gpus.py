@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT
 from llmem_plugin.gpus import gpu_names
+
+from ._run import run
 
 REQUIRED = {
     "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4",
@@ -15,10 +17,6 @@ REQUIRED = {
 }
 
 
-def run(capsys, *argv: str):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_gpus_json_lists_the_catalog(capsys):

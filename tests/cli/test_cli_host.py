@@ -8,8 +8,10 @@ import json
 import pytest
 import transformers
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
 from llmem_plugin.host import process_baseline_bytes
+
+from ._run import run
 
 GIB = 2**30
 
@@ -24,10 +26,6 @@ def model(tmp_path_factory):
     return str(d / "config.json")
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plan_refuses_offload_over_the_node_ram_with_exit_3(capsys, model):

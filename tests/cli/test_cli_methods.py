@@ -6,13 +6,11 @@ import json
 
 import pytest
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+
+from ._run import run
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_method_all_json_rows(capsys):

@@ -7,7 +7,9 @@ import json
 import pytest
 import transformers
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT, main
+from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+
+from ._run import run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CANDIDATE_KEYS = ("method", "tp", "micro_batch", "grad_checkpointing", "offload", "fits", "device_total_bytes",
@@ -24,10 +26,6 @@ def model(tmp_path_factory):
     return str(d / "config.json")
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 BASE = ("plan", "--gpus", "2", "--gpu", "h100-sxm", "--seq-len", "512", "--methods", "ddp,fsdp")
