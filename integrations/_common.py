@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, LLMemError
-from llmem_plugin.gpus import GPU, get_gpu, match_device_name, parse_memory
+from llmem_plugin.gpus import GPU, get_gpu, match_device_name, size_bytes
 from llmem_plugin.verify import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
 
@@ -49,12 +49,13 @@ def validate_target(gpu: GPU | str | None, gpu_memory: int | str | None) -> None
     catalog lacks), which the adapters treat as "not checked".
 
     Raises:
-        ConfigError: An unknown GPU name or a capacity that is not a size.
+        ConfigError: An unknown GPU name or a capacity that is not a size
+            (an int below 1 MiB included: almost surely GiB meant).
     """
     if gpu is not None and not isinstance(gpu, GPU):
         get_gpu(gpu)
-    if isinstance(gpu_memory, str):
-        parse_memory(gpu_memory)
+    if gpu_memory is not None:
+        size_bytes(gpu_memory, name="gpu_memory", what="GPU memory", example="80GiB")
 
 
 def not_checked_line(adapter: str, reason: Any, how: str | None = None) -> str:
@@ -82,7 +83,8 @@ def resolve_target(gpu: GPU | str | None, gpu_memory: int | str | None) -> tuple
         ConfigError: No GPU given and no CUDA device, or a device that is not
             in the catalog.
     """
-    memory = parse_memory(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    memory = None if gpu_memory is None else size_bytes(gpu_memory, name="gpu_memory", what="GPU memory",
+                                                        example="80GiB")
     if gpu is not None:
         return (gpu if isinstance(gpu, GPU) else get_gpu(gpu)), memory
     if not torch.cuda.is_available():

@@ -14,7 +14,7 @@ from torch import nn
 from llmem_plugin import modelbuild
 from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, CachingAllocator, SimulatedOOM, replay
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
-from llmem_plugin.gpus import GPU, get_gpu, parse_memory
+from llmem_plugin.gpus import GPU, get_gpu, size_bytes
 from llmem_plugin.overheads import (
     DeviceOverheads,
     device_overheads,
@@ -454,11 +454,6 @@ def allocator_events(trace: TraceResult, overheads: DeviceOverheads) -> tuple[li
     return out, phases
 
 
-# A capacity given as a bare number below this is refused: no GPU has less
-# than 1 MiB, and ``gpu_memory=80`` almost surely means 80 GiB, not 80 bytes.
-_MIN_CAPACITY_BYTES = 2**20
-
-
 def capacity_bytes(gpu_memory: int | str | None) -> int | None:
     """A ``gpu_memory`` override as bytes.
 
@@ -474,18 +469,7 @@ def capacity_bytes(gpu_memory: int | str | None) -> int | None:
     """
     if gpu_memory is None:
         return None
-    if isinstance(gpu_memory, str):
-        return parse_memory(gpu_memory)
-    if isinstance(gpu_memory, bool) or not isinstance(gpu_memory, int):
-        raise ConfigError(f"gpu_memory must be bytes (an int) or a size string, got {type(gpu_memory).__name__} "
-                          f"{gpu_memory!r}. HINT: gpu_memory='80GiB' or 80 * 2**30")
-    if gpu_memory <= 0:
-        raise ConfigError(f"gpu_memory must be a positive number of bytes, got {gpu_memory!r}. "
-                          "HINT: gpu_memory='80GiB'")
-    if gpu_memory < _MIN_CAPACITY_BYTES:
-        raise ConfigError(f"gpu_memory={gpu_memory} is read as {gpu_memory} bytes, below 1 MiB; a bare number is "
-                          f"bytes. HINT: pass gpu_memory='{gpu_memory}GiB' (or {gpu_memory} * 2**30)")
-    return gpu_memory
+    return size_bytes(gpu_memory, name="gpu_memory", what="GPU memory", example="80GiB")
 
 
 def _resolve_gpu(gpu: GPU | str | None, gpu_memory: int | str | None) -> GPU:

@@ -39,7 +39,8 @@ from typing import Any
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["GPU", "get_gpu", "gpu_names", "host_memory_default", "match_device_name", "parse_memory", "resolve_gpu"]
+__all__ = ["GPU", "get_gpu", "gpu_names", "host_memory_default", "match_device_name", "parse_memory", "resolve_gpu",
+           "size_bytes"]
 
 _HINT = "HINT: run 'llmem gpus' for the catalog"
 _DEFAULT_GPU = "h100-sxm"
@@ -299,7 +300,7 @@ def _did_you_mean(name: str) -> str:
     return f"; did you mean {', '.join(repr(s) for s in suggestions)}?" if suggestions else ";"
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, *, what: str = "GPU memory") -> int:
     """Parse a GPU memory size into bytes.
 
     ``GiB``/``MiB``/``TiB`` are binary (2**30, 2**20, 2**40 bytes) and
@@ -310,6 +311,7 @@ def parse_memory(text: str) -> int:
 
     Args:
         text: E.g. ``"80GiB"``, ``"80GB"``, ``"81920MiB"`` or ``"80"``.
+        what: What the size is, for messages.
 
     Returns:
         The size in bytes, positive.
@@ -321,11 +323,11 @@ def parse_memory(text: str) -> int:
     number, suffix = match.groups() if match else ("", "")
     unit = _MEMORY_UNITS.get(suffix.lower()) if suffix else 2**30  # a bare number is GiB
     if match is None or unit is None:
-        raise ConfigError(f"GPU memory {text!r} not understood; accepted forms: {_MEMORY_FORMS}. HINT: e.g. 80GiB")
+        raise ConfigError(f"{what} {text!r} not understood; accepted forms: {_MEMORY_FORMS}. HINT: e.g. 80GiB")
     # Decimal, not float, so "0.1GB" is exactly 10**8 bytes.
     nbytes = int((Decimal(number) * unit).to_integral_value())
     if nbytes <= 0:
-        raise ConfigError(f"GPU memory {text!r} must be positive. HINT: e.g. 80GiB")
+        raise ConfigError(f"{what} {text!r} must be positive. HINT: e.g. 80GiB")
     return nbytes
 
 
@@ -381,3 +383,35 @@ def host_memory_default(name: str, gpus_per_node: int) -> tuple[int, str]:
         return nbytes, f"{instance}, catalog default for {n} x {key}: {ref}"
     share = nbytes * n // gpus
     return share, f"{n}/{gpus} of {instance}'s {nbytes / 2**30:g} GiB, catalog default for {n} x {key}: {ref}"
+
+
+# A size given as a bare int below this is refused: no GPU or host has less
+# than 1 MiB, so ``80`` almost surely means 80 GiB, not 80 bytes.
+_MIN_SIZE_BYTES = 2**20
+
+
+def size_bytes(value: int | str, *, name: str, what: str, example: str) -> int:
+    """A memory size from the Python API: an int of bytes or a size string.
+
+    Args:
+        value: Bytes (an int of at least 1 MiB) or a size with its unit as
+            :func:`parse_memory` reads it (a bare number in a string is GiB).
+        name: The argument, for messages (``gpu_memory``, ``host_memory``).
+        what: What the size is, for messages ("GPU memory", "host memory").
+        example: A size to suggest (``"80GiB"``).
+
+    Raises:
+        ConfigError: Another type, a size that does not parse, a size that is
+            not positive, or an int below 1 MiB (almost surely meant in GiB).
+    """
+    if isinstance(value, str):
+        return parse_memory(value, what=what)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be bytes (an int) or a size string, got {type(value).__name__} {value!r}. "
+                          f"HINT: {name}='{example}'")
+    if value <= 0:
+        raise ConfigError(f"{name} must be a positive number of bytes, got {value!r}. HINT: {name}='{example}'")
+    if value < _MIN_SIZE_BYTES:
+        raise ConfigError(f"{name}={value} is read as {value} bytes, below 1 MiB; a bare number is bytes. "
+                          f"HINT: pass {name}='{value}GiB' (or {value} * 2**30)")
+    return value

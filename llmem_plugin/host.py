@@ -37,7 +37,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from llmem_plugin.errors import ConfigError
 
 __all__ = [
     "CUDA_CONTEXT_HOST_BYTES",
@@ -67,10 +66,6 @@ FRAMEWORK_RSS_BYTES = 424_333_312
 # query added only 116,592 kB), so the estimate errs on the safe side. It
 # includes the CUDA build's libraries (cuBLAS, cuDNN, NCCL) paged in.
 CUDA_CONTEXT_HOST_BYTES = (2_056_600 - 322_040) * 1024
-
-# A bare number smaller than this is surely not a RAM size in bytes.
-_MIN_BYTES = 2**20
-
 
 def pinned_bytes(nbytes: int) -> int:
     """Host bytes a pinned allocation of ``nbytes`` takes: the next power of
@@ -113,21 +108,9 @@ def parse_host_memory(value: int | str) -> int:
         ConfigError: Not a size, not positive, or a bare int under 1 MiB
             (almost surely GiB meant).
     """
-    from llmem_plugin.gpus import parse_memory
+    from llmem_plugin.gpus import size_bytes
 
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"host memory must be bytes (int) or a size such as '512GiB', got {value!r}. "
-                          "HINT: pass --host-memory 512GiB (per node)")
-    if isinstance(value, int):
-        if value < _MIN_BYTES:
-            raise ConfigError(f"host memory {value} B is under 1 MiB: a number of GiB? "
-                              f"HINT: pass host_memory='{value}GiB' or the size in bytes")
-        return value
-    try:
-        return parse_memory(value)
-    except ConfigError:
-        raise ConfigError(f"host memory {value!r} not understood. HINT: pass --host-memory with a size such as "
-                          "512GiB, 2TiB or 1152GB (per node)") from None
+    return size_bytes(value, name="host_memory", what="host memory", example="512GiB")
 
 
 def local_host_memory() -> HostCapacity:

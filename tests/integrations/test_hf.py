@@ -165,6 +165,9 @@ def test_a_bad_gpu_name_stops_at_construction():
         LLMemCallback(gpu="h100-sxmm")
     with pytest.raises(ConfigError):
         LLMemCallback(gpu="h100-sxm", gpu_memory="lots")
+    # An int is bytes, as in estimate(): 80 is surely 80 GiB meant, not a capacity of 80 bytes.
+    with pytest.raises(ConfigError, match=r"gpu_memory=80 is read as 80 bytes.*HINT: pass gpu_memory='80GiB'"):
+        LLMemCallback(gpu="h100-sxm", gpu_memory=80)
 
 
 def test_compare_after_one_step_waits_for_the_first_steady_state_step(tmp_path):
