@@ -259,10 +259,16 @@ def vocab_size_of(model: nn.Module) -> int:
 
 
 def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, tracker: Any = None,
-           contexts: tuple = (), max_micro_steps: int | None = None) -> TraceResult:
+           contexts: tuple = (), max_micro_steps: int | None = None, tag_layers: bool = False) -> TraceResult:
     """The single-GPU step of ``model`` (made fake here) on ``gpu``; ``tracker``,
-    ``contexts`` and ``max_micro_steps`` as for :func:`trace_step` (e.g. a FLOP counter)."""
+    ``contexts`` and ``max_micro_steps`` as for :func:`trace_step` (e.g. a FLOP counter).
+    ``tag_layers``: record each event's decoder layer (fast mode's stream synthesis)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if tag_layers and tracker is None:
+        from llmem_plugin.layertags import LayerTaggingTracker
+
+        tracker = LayerTaggingTracker()
 
     gpu = gpu or get_gpu(DEFAULT_GPU)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -357,7 +363,8 @@ def _micro_steps_repeat(trace: TraceResult, accum: int, config: AllocatorConfig,
 
 
 def _steady_trace(model: nn.Module, workload: Workload, gpu: GPU, *, config: AllocatorConfig,
-                  overheads: DeviceOverheads, capacity: int | None, notes: list[str]) -> TraceResult:
+                  overheads: DeviceOverheads, capacity: int | None, notes: list[str],
+                  tag_layers: bool = False) -> TraceResult:
     """The step of ``model`` with only the first micro-steps and the last of a
     long accumulation window traced, the others repeating the last middle one
     exactly (checked on the replay). :data:`STEADY_MICRO_STEPS` are tried
@@ -372,11 +379,11 @@ def _steady_trace(model: nn.Module, workload: Workload, gpu: GPU, *, config: All
     """
     accum = workload.grad_accum_steps
     if accum <= STEADY_MICRO_STEPS:
-        return _trace(model, workload, gpu)
+        return _trace(model, workload, gpu, tag_layers=tag_layers)
     pristine = copy.deepcopy(model)  # tracing makes a model fake
     limit = STEADY_MICRO_STEPS
     while limit < accum and limit <= _MAX_SETTLING_MICRO_STEPS:
-        short = _trace(model, workload, gpu, max_micro_steps=limit)
+        short = _trace(model, workload, gpu, max_micro_steps=limit, tag_layers=tag_layers)
         last = limit - 1
         if _micro_steps_repeat(short, accum, config, overheads, capacity, limit):
             notes.append(f"gradient accumulation: micro-steps 1-{last} and {accum} of {accum} traced; "
@@ -393,7 +400,7 @@ def _steady_trace(model: nn.Module, workload: Workload, gpu: GPU, *, config: All
             "fewer (or a larger gpu_memory, if the allocator frees its cache and retries at this capacity)")
     notes.append(f"gradient accumulation: the simulated allocator did not settle within "
                  f"{min(limit // 2, accum)} micro-steps, so all {accum} were traced")
-    return _trace(model, workload, gpu)
+    return _trace(model, workload, gpu, tag_layers=tag_layers)
 
 
 def _describe(source: Any) -> str:
@@ -651,31 +658,41 @@ def estimate(
 
     accum_notes: list[str] = []
 
-    def trace(m: nn.Module, w: Workload) -> TraceResult:
-        return _steady_trace(m, w, target, config=config, overheads=overheads, capacity=capacity, notes=accum_notes)
+    def trace(m: nn.Module, w: Workload, *, tag_layers: bool = False) -> TraceResult:
+        return _steady_trace(m, w, target, config=config, overheads=overheads, capacity=capacity, notes=accum_notes,
+                             tag_layers=tag_layers)
 
     timeline: list[tuple[int, Phase, int]] = []
     memory_timeline: list[tuple[int, str, int, int]] = []
     fast_notes: tuple[str, ...] = ()
+    replay_in_full = True  # the step's whole event stream is replayed (traced, or built by fastsynth)
     if fast and not isinstance(model, nn.Module):
         from llmem_plugin.fast import extrapolated_trace
+        from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
 
-        ext = extrapolated_trace(model, wl, depth=depth, trace=trace)
+        ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True))
         result = ext.result
         fast_notes = (ext.note,) if ext.note else ()
         if result is None:  # layer kinds unknown: the full trace below
             fast = False
-        elif ext.short is None:  # shallow enough to have been traced in full
-            sim, fits = simulate_trace(result, config, overheads, capacity)
-        else:
-            sim = _extrapolated_simulation(ext, config, overheads)
-            total = sim.peak_reserved_bytes + overheads.outside_allocator_bytes
-            fits = total <= capacity
-            # Too close to call from an extrapolation: the full trace decides.
-            fast = abs(total - capacity) > FAST_VERDICT_BAND * capacity
+        elif ext.short is not None:
+            try:
+                result = full_depth_trace(ext.short, ext.long, ext.plan, result)
+            except SynthesisError as e:
+                replay_in_full = False
+                sim = _extrapolated_simulation(ext, config, overheads)
+                total = sim.peak_reserved_bytes + overheads.outside_allocator_bytes
+                fits = total <= capacity
+                # Too close to call from an extrapolation: the full trace decides.
+                fast = abs(total - capacity) > FAST_VERDICT_BAND * capacity
+                if fast:
+                    fast_notes += (f"fast mode extrapolated the allocator's peaks per layer, as the full event "
+                                   f"stream could not be built ({e}): reserved may be off by up to "
+                                   f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure",)
     if not fast:
         fast = False
         result = trace(full, wl)
+    if replay_in_full or not fast:
         sim, fits = simulate_trace(result, config, overheads, capacity, timeline_points=_TIMELINE_POINTS)
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
         memory_timeline = sim.timeline

@@ -100,6 +100,9 @@ class TraceResult:
             :meth:`MemoryTracker.mark` was first called with that name in
             that phase (e.g. "cublas:backward", where a CUDA run creates the
             backward thread's cuBLAS workspace).
+        layer_tags: The decoder layer of every record and event
+            (:class:`llmem_plugin.layertags.LayerTags`), from a
+            :class:`~llmem_plugin.layertags.LayerTaggingTracker` only.
     """
 
     peak_bytes: int
@@ -113,6 +116,7 @@ class TraceResult:
     events: list[tuple[int, int, int]] = field(repr=False, default_factory=list)
     host_peak_bytes: int = 0
     marks: dict[str, int] = field(repr=False, default_factory=dict)
+    layer_tags: Any = field(repr=False, default=None)
 
 
 class MemoryTracker(TorchDispatchMode):
