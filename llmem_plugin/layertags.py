@@ -12,12 +12,18 @@ event, which layer's code runs it (its *segment*):
 - optimizer: an output of a ``_foreach_*`` op takes the layer of the element
   at the same index of the op's input list (parameters, gradients and states
   are lists in parameter order); a single-tensor op's output the layer of its
-  inputs when they agree (``zeros_like(p)`` for a state), else none;
+  inputs when they agree (``zeros_like(p)`` for a state), else none; an
+  output of an op without tensor inputs (``torch.zeros(())`` for a state's
+  step counter, made just before the parameter's other states in
+  ``torch.optim``'s ``_init_group``) the layer of the next single-tensor op;
 - an allocation runs in its record's layer; a free in the running layer
   (forward, backward; in the optimizer the layer of the last single-tensor op,
   for ``foreach=False`` loops where a temporary is freed when its variable is
-  rebound) and, where no layer runs (the autocast weight cache freed at the
-  end of the forward, foreach lists dropped, ``zero_grad``), in its record's.
+  rebound); between two layers of the forward (the decoder loop rebinding its
+  hidden states frees the output of the layer before the last) in the layer
+  that ran last; and where no model code runs (the autocast weight cache freed
+  at the end of the forward, foreach lists dropped, ``zero_grad``), in its
+  record's layer.
 
 The layers are the decoder's ``ModuleList``: the one module list of the model
 whose length is the config's layer count.
@@ -71,6 +77,10 @@ def decoder_layers(model: nn.Module) -> str | None:
     return names[0] if len(names) == 1 else None
 
 
+def _flat(args: tuple, kwargs: dict | None) -> list[Any]:
+    return [x for a in (*args, *(kwargs or {}).values()) for x in (a if isinstance(a, (list, tuple)) else (a,))]
+
+
 class LayerTaggingTracker(MemoryTracker):
     """:class:`MemoryTracker` that also tags records and events with a layer.
 
@@ -87,6 +97,20 @@ class LayerTaggingTracker(MemoryTracker):
         self._tensor_layer: dict[int, int | None] = {}  # id(parameter or buffer) -> layer
         self._override: Any = _UNSET
         self._optimizer_layer: int | None = None
+        self._last_layer: int | None = None  # the layer that started last in the forward
+        self._pending: list[tuple[int, int]] = []  # optimizer records made from no tensor: (record, event)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        super()._pre_forward(module, args)
+        if self._module_stack:
+            layer = self.layer_of(self._module_stack[-1])
+            if layer is not None:
+                self._last_layer = layer
+
+    def set_phase(self, phase: Phase) -> None:
+        super().set_phase(phase)
+        self._last_layer = None
+        self._pending = []
 
     def watch_modules(self, model: nn.Module) -> None:
         super().watch_modules(model)
@@ -147,9 +171,17 @@ class LayerTaggingTracker(MemoryTracker):
         tags = self._optimizer_tags(args, kwargs, outs, out) if optimizer else [_UNSET] * len(outs)
         single = len(outs) == 1 and not isinstance(out, (list, tuple))
         self._optimizer_layer = tags[0] if optimizer and single else None
+        if self._pending and self._optimizer_layer is not None:
+            for idx, event in self._pending:
+                self._record_layer[idx] = self._event_layer[event] = self._optimizer_layer
+            self._pending = []
+        orphan = optimizer and single and not any(isinstance(x, torch.Tensor) for x in _flat(args, kwargs))
         for t, tag in zip(outs, tags):
             self._override = tag
+            n = len(self._records)
             self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
+            if orphan and len(self._records) > n:
+                self._pending.append((n, len(self._events) - 1))
         self._override = _UNSET
         return out
 
@@ -165,6 +197,8 @@ class LayerTaggingTracker(MemoryTracker):
         idx = self._live[key]
         if self.phase in (Phase.FORWARD, Phase.BACKWARD):
             running = self.layer_of(self.current_module)
+            if running is None and self.phase is Phase.FORWARD and self._module_stack:
+                running = self._last_layer
         else:
             running = self._optimizer_layer if self.phase is Phase.OPTIMIZER else None
         super()._free(key)

@@ -49,8 +49,10 @@ def test_fast_equals_full(arch, wl):
     cfg = tiny_config(arch, **{"n_layer" if arch == "gpt2" else "num_hidden_layers": 9})
     full = llmem_plugin.estimate(cfg, wl)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
-    assert fast.fast and not full.fast
-    assert abs(fast.peak_allocated_bytes - full.peak_allocated_bytes) <= 1e-3 * full.peak_allocated_bytes
+    assert fast.fast and not full.fast and not any(n.startswith("fast mode") for n in fast.notes)
+    # The full event stream is built and replayed (llmem_plugin.fastsynth): the
+    # allocator's peaks are the full trace's to the byte.
+    same(fast, full)
     assert fast.peak_phase == full.peak_phase
     assert fast.params == full.params and fast.trainable_params == full.trainable_params
 
@@ -62,24 +64,49 @@ def test_fast_equals_full_with_alternating_layers(gc):
     wl = Workload(seq_len=64, micro_batch_size=1, precision="bf16-mixed", grad_checkpointing=gc)
     full = llmem_plugin.estimate(cfg, wl)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
+    assert fast.fast and not fast.notes
+    same(fast, full)
+
+
+def same(fast, full) -> None:
+    for key in ("peak_tensor_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "fits"):
+        assert getattr(fast, key) == getattr(full, key), f"{key}: fast {getattr(fast, key)} vs full {getattr(full, key)}"
+
+
+@pytest.mark.parametrize("factor", [1.01, 0.99, 0.9])
+def test_fast_verdict_is_the_full_traces_at_any_capacity(factor):
+    # The built stream is replayed under the capacity like a full trace: where
+    # the uncapped need exceeds it, the allocator frees its cache and retries
+    # (estimate.simulate_trace), and the verdict and peaks are the full trace's.
+    cfg = tiny_config("llama", num_hidden_layers=9)
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
+    need = llmem_plugin.estimate(cfg, wl).device_total_bytes
+    full = llmem_plugin.estimate(cfg, wl, gpu_memory=int(factor * need))
+    fast = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=int(factor * need))
     assert fast.fast
-    assert abs(fast.peak_allocated_bytes - full.peak_allocated_bytes) <= 1e-3 * full.peak_allocated_bytes
+    same(fast, full)
+    assert fast.fits is (factor > 1) or factor == 0.99
 
 
-def test_fast_leaves_a_close_verdict_to_the_full_trace():
+def test_fast_falls_back_to_extrapolation_when_the_stream_cannot_be_built(monkeypatch):
+    from llmem_plugin import fastsynth
+
+    def broken(*args, **kwargs):
+        raise fastsynth.SynthesisError("test")
+
+    monkeypatch.setattr(fastsynth, "full_depth_trace", broken)
     cfg = tiny_config("llama", num_hidden_layers=9)
     wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
     full = llmem_plugin.estimate(cfg, wl)
-    near = int(full.device_total_bytes * 1.01)  # within FAST_VERDICT_BAND of the need
-    est = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=near)
-    assert not est.fast and est.fits
-    assert est.peak_reserved_bytes == full.peak_reserved_bytes
     roomy = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=2 * full.device_total_bytes)
     assert roomy.fast and roomy.fits
-    # 30% of headroom is inside the reserved error measured for fast mode
-    # (benchmarks/results/fast-vs-full-2026-11-25.jsonl: up to +32%): no verdict from it.
-    ample = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=int(1.3 * full.device_total_bytes))
-    assert not ample.fast and ample.fits
+    assert any("could not be built (test)" in n for n in roomy.notes)
+    # Within the extrapolation's reserved error (FAST_VERDICT_BAND, from
+    # benchmarks/results/fast-vs-full-2026-11-25.jsonl: up to +32%) the full
+    # trace decides, without the note.
+    near = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=int(1.01 * full.device_total_bytes))
+    assert not near.fast and near.fits and not near.notes
+    assert near.peak_reserved_bytes == full.peak_reserved_bytes
 
 
 # ---------------------------------------------------------------- layer kinds
@@ -179,12 +206,6 @@ CASES = {
     "jamba": (jamba, Workload(seq_len=8, micro_batch_size=1, precision="bf16")),
     "recurrent-gemma": (recurrent_gemma, Workload(seq_len=48, micro_batch_size=1, precision="bf16-mixed")),
 }
-# Known limitation (docs/estimator.md, "Fast mode"): the allocator's reserved
-# bytes are extrapolated per phase, and on these the full replay's reserved
-# peak is not affine in the number of periods (which cached block a request
-# reuses depends on the whole stream), so it is off by more than 0.1%.
-RESERVED_OFF = {"qwen3-moe-sparse-step-2", "gemma-3", "jamba", "mamba"}
-
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fast_equals_full_where_layers_differ(name):
@@ -193,11 +214,8 @@ def test_fast_equals_full_where_layers_differ(name):
     full = llmem_plugin.estimate(cfg, wl)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
     assert fast.fast and not any(n.startswith("fast mode") for n in fast.notes)
-    close(fast, full, keys=("peak_tensor_bytes", "peak_allocated_bytes"))
+    same(fast, full)
     assert fast.peak_phase == full.peak_phase
-    if name in RESERVED_OFF:
-        pytest.xfail(f"reserved: fast {fast.peak_reserved_bytes} vs full {full.peak_reserved_bytes}")
-    close(fast, full, keys=("peak_reserved_bytes",))
 
 
 def test_unknown_layer_kinds_fall_back_to_the_full_trace():
