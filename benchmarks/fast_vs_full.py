@@ -96,12 +96,12 @@ def _one(name: str) -> dict:
         row["precision"] = est.workload.precision.value
         row[f"{tag}_s"] = round(time.perf_counter() - t, 2)
         row[f"{tag}_mode"] = "fast" if est.fast else "full trace"
-        for key in ("peak_tensor_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
+        for key in ("peak_tensor_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
             row[f"{tag}_{key}"] = getattr(est, key)
         row[f"{tag}_peak_phase"] = est.peak_phase.value
         if fast:
             row["fast_notes"] = [n for n in est.notes if n.startswith("fast")]
-    for key in ("peak_tensor_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
+    for key in ("peak_tensor_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
         row[f"err_{key.removeprefix('peak_').removesuffix('_bytes')}_pct"] = round(
             100 * (row[f"fast_{key}"] / row[f"full_{key}"] - 1), 5)
     return row

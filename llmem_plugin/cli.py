@@ -464,8 +464,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.sequence_parallel:
         raise ConfigError("--sequence-parallel needs a tensor-parallel method. HINT: add --method tp --gpus 2 --tp 2, "
                           "or drop --sequence-parallel")
-    if args.plot and args.fast:
-        raise ConfigError("--plot needs the full trace's timeline, which --fast does not keep. HINT: drop --fast")
     from llmem_plugin.estimate import estimate
 
     _choose_precision(args)

@@ -122,18 +122,20 @@ def plot_estimate(est: Estimate, path: str | os.PathLike[str]) -> None:
     with the three largest categories at the tensor peak.
 
     Args:
-        est: A full (not ``fast``) estimate; its ``memory_timeline`` is drawn.
+        est: An estimate with a ``memory_timeline`` (a full trace, or fast mode
+            with its full event stream built), which is drawn.
         path: Where to write the image; the suffix (png, svg, pdf) sets the format.
 
     Raises:
-        ConfigError: ``est`` has no timeline (fast mode), the suffix is not a
+        ConfigError: ``est`` has no timeline (fast mode that extrapolated its
+            allocator peaks, see its notes), the suffix is not a
             known format, or matplotlib is missing.
     """
     fmt = _format_of(path)
     if not est.memory_timeline:
         raise ConfigError(
-            f"the estimate of {est.model} has no memory timeline to plot: fast mode traces a shortened model. "
-            "HINT: drop --fast (fast=False)"
+            f"the estimate of {est.model} has no memory timeline to plot: fast mode extrapolated its peaks "
+            "(its notes say why). HINT: drop --fast (fast=False)"
         )
     _render(_ESTIMATE_SIZE_IN, lambda ax: _draw_estimate(ax, est), path, fmt)
 

@@ -238,7 +238,7 @@ def _contradiction_cases():
         _case([*E, "--lora-rank", "4", "--lora-targets", "layers"], expect="ModuleList"),
         _case([*E, "--logits-to-keep", "100"], expect="logits_to_keep"),
         _case([*E, "--sequence-parallel"], expect="--sequence-parallel"),
-        _case([*E, "--plot", "x.png", "--fast"], expect="--fast"),
+        _case([*E, "--plot", "x.png", "--fast", "--method", "ddp"], expect="--plot"),
         _case([*E, "--plot", "x.png", "--gpus", "2"], expect="--plot"),
         _case([*E, "--plot", "/nonexistent_dir/x.png"], expect="/nonexistent_dir"),
         _case([*E, "--plot", "x.txt"], expect="x.txt"),

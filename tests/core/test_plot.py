@@ -78,12 +78,25 @@ def test_plot_estimate_is_deterministic(est, tmp_path):
     ET.parse(a)  # well-formed
 
 
-def test_fast_estimate_has_no_timeline_to_plot(tmp_path):
-    fast = llmem_plugin.estimate(tiny_config("llama", num_hidden_layers=7), seq_len=32, fast=True)
-    assert fast.fast and fast.memory_timeline == []
+def test_fast_estimate_plots_its_built_stream_and_refuses_without_one(tmp_path, monkeypatch):
+    cfg = tiny_config("llama", num_hidden_layers=9)
+    fast = llmem_plugin.estimate(cfg, seq_len=32, fast=True)
+    full = llmem_plugin.estimate(cfg, seq_len=32)
+    # The replay of the built stream is the full trace's, point for point.
+    assert fast.fast and fast.memory_timeline == full.memory_timeline != []
+    plot.plot_estimate(fast, tmp_path / "step.png")
+    assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from llmem_plugin import fastsynth
+
+    def fail(*args, **kwargs):
+        raise fastsynth.SynthesisError("test")
+
+    monkeypatch.setattr(fastsynth, "full_depth_trace", fail)
+    extrapolated = llmem_plugin.estimate(cfg, seq_len=32, fast=True)
+    assert extrapolated.fast and extrapolated.memory_timeline == []
     with pytest.raises(ConfigError, match="HINT: drop --fast"):
-        plot.plot_estimate(fast, tmp_path / "step.png")
-    assert not (tmp_path / "step.png").exists()
+        plot.plot_estimate(extrapolated, tmp_path / "other.png")
+    assert not (tmp_path / "other.png").exists()
 
 
 ROWS = [
