@@ -39,11 +39,13 @@ __all__ = [
 # has tens of thousands of events.
 _TIMELINE_POINTS = 512
 DEFAULT_GPU = "h100-sxm"
-# Fast mode's reserved peak differed from the full replay by -12.3% (mamba-130m)
-# to +32.2% (llama-3.2-3b) on the catalog and the layer-pattern configs in
+# Where fast mode cannot build the full event stream (llmem_plugin.fastsynth)
+# it extrapolates the allocator's peaks per layer. That reserved peak differed
+# from the full replay by -12.3% (mamba-130m) to +32.2% (llama-3.2-3b) on the
+# catalog and the layer-pattern configs in
 # benchmarks/results/fast-vs-full-2026-11-25.jsonl (allocated: within 0.65%):
 # the caching allocator's reserved bytes do not grow by a constant per layer.
-# A verdict is left to the full trace unless the extrapolated need is farther
+# Such a verdict is left to the full trace unless the extrapolated need is farther
 # from the capacity than that range allows: fast > cap * (1 + band) can only be
 # a misfit when band >= 0.323, fast < cap * (1 - band) only a fit when
 # band >= 0.123.
@@ -82,15 +84,17 @@ class Estimate:
         breakdown: Bytes per category live at the tensor peak.
         phase_peaks: Peak tensor bytes of each phase.
         timeline: (event index, phase, bytes), thinned to a few hundred points
-            (empty in fast mode, which traces a shortened model).
+            (empty when fast mode extrapolated the allocator's peaks).
         memory_timeline: (event index, phase, allocated bytes, reserved
             bytes) of the simulated allocator after each event of the replay
             that gave ``peak_allocated_bytes`` and ``peak_reserved_bytes``,
             thinned to a few hundred points that keep both peaks. The events
             are the trace's with the cuBLAS workspaces inserted
             (:func:`allocator_events`), so an index can be a few past the
-            same event's index in ``timeline``. Empty in fast mode.
-        fast: Whether the layer-extrapolating fast mode produced this.
+            same event's index in ``timeline``. Empty when fast mode
+            extrapolated the allocator's peaks (its notes say so).
+        fast: Whether fast mode (shortened traces, the full stream built
+            from them) produced this.
         seconds: Wall time the estimate took.
     """
 
@@ -605,12 +609,14 @@ def estimate(
             fields as keywords instead (``seq_len=2048, batch_size=1,
             precision="bf16-mixed", lora={"rank": 16}, ...``). Lightning's
             precision names are accepted (``"bf16-true"`` is ``"bf16"``).
-        fast: Trace two shortened models and extrapolate per layer to the full
-            depth (config sources only; modules are traced in full). The
-            allocator's peaks are then extrapolated the same way, and ``fits``
-            compares them with the capacity without a capped replay; within
-            ``FAST_VERDICT_BAND`` of the capacity the full trace runs instead
-            (``Estimate.fast`` is then False).
+        fast: Trace two shortened models, extrapolate the tensor breakdown
+            per layer and build the full model's event stream from the longer
+            copy's (:mod:`llmem_plugin.fastsynth`), replayed like a full
+            trace: the same peaks and verdict (config sources only; modules
+            are traced in full). Where the stream cannot be built (a note
+            says why), the allocator's peaks are extrapolated per layer
+            too, and within ``FAST_VERDICT_BAND`` of the capacity the full
+            trace runs instead (``Estimate.fast`` is then False).
         gpu: Catalog GPU (name or :class:`GPU`); default H100 SXM. Sets the
             kernel choices emulated, the workspace sizes and the capacity.
         gpu_memory: Capacity overriding the catalog's: bytes (an int of at
