@@ -96,6 +96,8 @@ class Estimate:
         fast: Whether fast mode (shortened traces, the full stream built
             from them) produced this.
         seconds: Wall time the estimate took.
+        model_class: The transformers class traced (the config's
+            ``architectures[0]`` decides it, :mod:`llmem_plugin.tasks`).
     """
 
     model: str
@@ -128,6 +130,7 @@ class Estimate:
     # One line each on how the estimate treated something the workload does
     # not fix (llmem_plugin.moe.routing_note: MoE token routing).
     notes: tuple[str, ...] = ()
+    model_class: str = ""
     # Peak of host-resident bytes the step holds (offloaded activations in
     # pinned memory, optimizer step counters); never on the device.
     host_peak_bytes: int = 0
@@ -191,6 +194,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
+            "model_class": self.model_class,
             "workload": self.workload.to_dict(),
             "params": self.params,
             "trainable_params": self.trainable_params,
@@ -508,6 +512,9 @@ def _check_source(model: Any) -> None:
                 "model(input_ids=..., labels=...) for its loss and reads the vocabulary from get_input_embeddings(); "
                 "no other step or input spec is modelled. HINT: pass a transformers causal LM "
                 "(AutoModelForCausalLM), a peft model of one, or its config")
+        from llmem_plugin.tasks import model_task
+
+        model_task(model)  # refuses a seq2seq, vision-language, ... module in one line
         return
     if not isinstance(model, (str, os.PathLike)):
         return
@@ -705,6 +712,7 @@ def estimate(
     host_peak = ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes
     return Estimate(
         model=_describe(model),
+        model_class=type(full.get_base_model() if hasattr(full, "get_base_model") else full).__name__,
         workload=wl,
         params=params,
         trainable_params=trainable,

@@ -307,19 +307,28 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         if workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
     else:
+        from llmem_plugin.tasks import Task, auto_class, config_task
+
         config = copy.deepcopy(resolve_config(source))
         config.use_cache = False
+        task = config_task(config)
+        if task is Task.SEQ_CLS and getattr(config, "pad_token_id", None) is None:
+            # A decoder classifier scores the last non-padding token and refuses
+            # batches above 1 without a pad id (LlamaForSequenceClassification.
+            # forward); fine-tuning recipes set it (to the eos id). Which id it
+            # is changes no shape.
+            config.pad_token_id = 0
         with torch.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                model = transformers.AutoModelForCausalLM.from_config(
+                model = auto_class(task).from_config(
                     config,
                     attn_implementation=_attn_arg(workload),
                     dtype=workload.precision.param_dtype,
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise ConfigError(f"cannot build a causal LM from this config: {msg}") from None
+                raise ConfigError(f"cannot build a {task.value} model from this config: {msg}") from None
     _check_moe_dtype(model, workload)
     if workload.attn_implementation.value == "flash_attention_2":
         from llmem_plugin.emulation.flash import check_model
@@ -421,6 +430,8 @@ def _structure_copy(module: nn.Module) -> nn.Module:
 
 
 def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    from llmem_plugin.tasks import Task, model_task
+
     try:
         import peft
     except ImportError:
@@ -433,7 +444,9 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.dropout,
         target_modules=targets,
-        task_type="CAUSAL_LM",
+        # SEQ_CLS also trains the new classification head (peft's
+        # PeftModelForSequenceClassification adds it to modules_to_save).
+        task_type="SEQ_CLS" if model_task(model) is Task.SEQ_CLS else "CAUSAL_LM",
     )
     from llmem_plugin.quant import lora_custom_modules
 

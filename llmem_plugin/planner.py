@@ -944,6 +944,9 @@ def plan(
     if global_batch <= 0:
         raise ConfigError(f"global batch must be a positive number of sequences, got {global_batch}")
     config = modelbuild.resolve_config(model)
+    from llmem_plugin.tasks import require_causal_lm
+
+    require_causal_lm(config, "llmem plan")
     meta = modelbuild.build_model(config, wl, device="meta")
     params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
     trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)

@@ -42,7 +42,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
     gc = ", grad checkpointing" if wl.grad_checkpointing else ""
     title = (
-        f"{est.model}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
+        f"{est.model}{f' ({est.model_class})' if est.model_class else ''}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
         f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
     )
     console.print(title)

@@ -241,7 +241,10 @@ def trace_step(
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
+    from llmem_plugin.tasks import make_labels
+
     params = [p for p in model.parameters()]
+    labels_for = model  # the task's labels, read before a wrapper hides the model's class
     trainable = [p for p in params if p.requires_grad]
     optimizer = make_optimizer(trainable, workload.optimizer)
     autocast_dtype = workload.precision.autocast_dtype if autocast else None
@@ -274,7 +277,7 @@ def trace_step(
                     tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
-                    labels = input_ids.clone()
+                    labels = make_labels(labels_for, input_ids)
                     tracker.register([input_ids, labels], MemoryCategory.INPUT)
                     hooks.begin_micro(it, mb)
                     tracker.set_phase(Phase.FORWARD)

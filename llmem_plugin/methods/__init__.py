@@ -76,6 +76,10 @@ def estimate_method(
     from llmem_plugin.techniques import check_supported
 
     check_supported(name, workload)
+    if mod != "single":
+        from llmem_plugin.tasks import require_causal_lm
+
+        require_causal_lm(model, f"--method {name}")
     from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
 
     if mod != "single" and workload.grad_accum_steps > MAX_TRACED_MICRO_STEPS:

@@ -1,0 +1,163 @@
+"""Which model class a config names, and whether its training step is modelled.
+
+A config's ``architectures[0]`` names the class its checkpoint was saved
+from, which is the class a user fine-tunes (``AutoModelFor*.from_pretrained``
+builds it). transformers' auto-class tables
+(``transformers/models/auto/modeling_auto.py``, ``MODEL_FOR_*_MAPPING_NAMES``)
+say which task each class serves. Two tasks are modelled:
+
+- ``causal-lm``: next-token loss over the sequence (the default when a config
+  names no class, as transformers' ``AutoModelForCausalLM`` builds it);
+- ``seq-cls``: a sequence classifier, labels of shape ``[batch]``
+  (``num_labels`` from the config; one label is regression, as transformers'
+  ``problem_type`` rule has it).
+
+Every other class is refused in one line: estimating its decoder as a causal
+LM would estimate another model.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.errors import UnsupportedError
+
+__all__ = ["Task", "config_task", "make_labels", "model_task", "require_causal_lm"]
+
+
+class Task(str, Enum):
+    CAUSAL_LM = "causal-lm"
+    SEQ_CLS = "seq-cls"
+
+
+_AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification"}
+
+# Tasks that take more than token ids (images, a separate target sequence) or
+# another head; checked before the causal-LM table, which also lists some
+# multimodal classes (Gemma3ForConditionalGeneration).
+_REFUSED = (
+    ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "a vision-language model (image-text-to-text)"),
+    ("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "a multimodal model"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "an encoder-decoder (seq2seq) model"),
+    ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a speech seq2seq model"),
+)
+_OTHER = (
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "a masked-LM encoder"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "a token classifier"),
+    ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "a question-answering model"),
+    ("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "a multiple-choice model"),
+    ("MODEL_FOR_PRETRAINING_MAPPING_NAMES", "a pretraining head"),
+)
+
+
+def _classes(table: str) -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    out: set[str] = set()
+    for v in getattr(modeling_auto, table, {}).values():
+        out.update(v if isinstance(v, (list, tuple)) else (v,))
+    return out
+
+
+def auto_class(task: Task) -> Any:
+    import transformers
+
+    return getattr(transformers, _AUTO_CLASS[task])
+
+
+def _classify(name: str) -> Task | str | None:
+    """The modelled task of class ``name``, what it is when it is not modelled,
+    or None when transformers' tables do not list it."""
+    what = next((w for table, w in _REFUSED if name in _classes(table)), None)
+    if what is not None:
+        return what
+    if name in _classes("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
+        return Task.CAUSAL_LM
+    if name in _classes("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"):
+        return Task.SEQ_CLS
+    return next((w for table, w in _OTHER if name in _classes(table)), None)
+
+
+def _refuse(name: str, what: str | None) -> UnsupportedError:
+    return UnsupportedError(
+        f"{name}{f' is {what}' if what else ' is not a class transformers lists for a task'}: its training step "
+        "is not modelled, and a causal LM in its place would be another model. Modelled: causal LMs (*ForCausalLM) "
+        "and sequence classifiers (*ForSequenceClassification). HINT: to fine-tune a decoder-only model as a "
+        "causal LM, set the config's architectures to its *ForCausalLM class")
+
+
+def config_task(config: Any) -> Task:
+    """The task of the class ``config.architectures[0]`` names (causal LM if none).
+
+    Raises:
+        UnsupportedError: A class whose training step is not modelled.
+    """
+    archs = getattr(config, "architectures", None)
+    name = archs[0] if isinstance(archs, (list, tuple)) and archs and isinstance(archs[0], str) else None
+    if name is None:
+        return Task.CAUSAL_LM
+    task = _classify(name)
+    if isinstance(task, Task):
+        return task
+    if task is None and name.endswith(("ForCausalLM", "LMHeadModel")):
+        return Task.CAUSAL_LM  # a class outside transformers' tables (remote code): by its name
+    raise _refuse(f"the config's architectures[0], {name},", task)
+
+
+def model_task(model: nn.Module) -> Task:
+    """The task of a built model: that of the first class in its MRO that
+    transformers' tables list (a peft wrapper's base model counts); a causal
+    LM if none is listed.
+
+    Raises:
+        UnsupportedError: A class whose training step is not modelled.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for cls in type(base).__mro__:
+        task = _classify(cls.__name__)
+        if isinstance(task, Task):
+            return task
+        if task is not None:
+            raise _refuse(type(base).__name__, task)
+    return Task.CAUSAL_LM
+
+
+def make_labels(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The labels a fine-tuning batch carries for ``model``'s task: the token
+    ids (causal LM), or one class per sequence (``num_labels`` classes; a float
+    target for one label, regression, as transformers' ``problem_type`` rule
+    in ``*ForSequenceClassification.forward``)."""
+    if model_task(model) is Task.CAUSAL_LM:
+        return input_ids.clone()
+    num_labels = int(getattr(model.config, "num_labels", 2))
+    b = input_ids.shape[0]
+    if num_labels == 1:
+        return torch.zeros(b, dtype=torch.float32)
+    return torch.zeros(b, dtype=torch.long) % num_labels
+
+
+def require_causal_lm(source: Any, what: str) -> None:
+    """Refuse, in one line, a sequence classifier where only causal LMs are modelled.
+
+    Args:
+        source: A model source (config, name, path) or a built module.
+        what: The feature asked for (``"--method fsdp"``, ``"llmem plan"``).
+
+    Raises:
+        UnsupportedError: ``source`` is a sequence classifier (or names a
+            class that is not modelled at all).
+    """
+    if isinstance(source, nn.Module):
+        task = model_task(source)
+    else:
+        from llmem_plugin.modelbuild import resolve_config
+
+        task = config_task(resolve_config(source))
+    if task is not Task.CAUSAL_LM:
+        raise UnsupportedError(
+            f"{what}: sequence classifiers are estimated on one GPU only; the distributed engines' steps are "
+            "modelled for causal LMs. HINT: llmem estimate without --method/--gpus (method single)")

@@ -1,0 +1,123 @@
+"""The class a config's ``architectures`` names is the class estimated, or it is refused in one line."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import llmem_plugin
+from llmem_plugin import modelbuild
+from llmem_plugin.errors import UnsupportedError
+from llmem_plugin.step import trace_step
+from llmem_plugin.workload import LoraSpec, Workload
+
+from ..cli._run import run
+
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+CLASSIFIERS = {
+    "bert": lambda: transformers.BertConfig(**SMALL, architectures=["BertForSequenceClassification"]),
+    "roberta-3-labels": lambda: transformers.RobertaConfig(**SMALL, num_labels=3,
+                                                           architectures=["RobertaForSequenceClassification"]),
+    "llama": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2,
+                                              architectures=["LlamaForSequenceClassification"]),
+    "llama-regression": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2, num_labels=1,
+                                                         architectures=["LlamaForSequenceClassification"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLASSIFIERS))
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_classifier_is_estimated_as_its_class_and_fake_equals_real(name, lora):
+    cfg = CLASSIFIERS[name]()
+    targets = ("query", "value") if name.startswith(("bert", "roberta")) else ("q_proj", "v_proj")
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed",
+                  lora=LoraSpec(rank=4, target_modules=targets) if lora else None)
+    real_class = getattr(transformers, cfg.architectures[0])
+    est = llmem_plugin.estimate(cfg, wl)
+    assert est.model_class == real_class.__name__
+    if not lora:  # peft keeps the head and a trainable copy of it (modules_to_save)
+        assert est.params == sum(p.numel() for p in real_class(cfg).parameters())
+    else:
+        head = next(m for n, m in real_class(cfg).named_modules() if n in ("score", "classifier"))
+        assert est.trainable_params > sum(p.numel() for p in head.parameters())  # the head trains too
+    fake_model = modelbuild.build_model(cfg, wl, device="meta")
+    mode = FakeTensorMode()
+    modelbuild.fakeify(fake_model, mode)
+    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=mode)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Expected input batch_size ... to match target batch_size"
+        real = trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_live_classifier_gets_class_labels():
+    cfg = CLASSIFIERS["llama"]()
+    cfg.pad_token_id = 0
+    module = transformers.LlamaForSequenceClassification(cfg)
+    est = llmem_plugin.estimate(module, seq_len=32, batch_size=2)
+    assert est.model_class == "LlamaForSequenceClassification"
+    assert est.peak_tensor_bytes == llmem_plugin.estimate(cfg, seq_len=32, batch_size=2).peak_tensor_bytes
+
+
+REFUSED = {
+    "bart": (lambda: transformers.BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                                             architectures=["BartForConditionalGeneration"]), "seq2seq"),
+    "t5": (lambda: transformers.T5Config(vocab_size=512, d_model=64, num_layers=2,
+                                         architectures=["T5ForConditionalGeneration"]), "seq2seq"),
+    "gemma3-multimodal": (lambda: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]),
+                          "vision-language"),
+    "llava": (lambda: transformers.LlavaConfig(architectures=["LlavaForConditionalGeneration"]), "vision-language"),
+    "modernbert-mlm": (lambda: transformers.ModernBertConfig(architectures=["ModernBertForMaskedLM"]), "masked-LM"),
+    "llama-token-cls": (lambda: transformers.LlamaConfig(**SMALL, architectures=["LlamaForTokenClassification"]),
+                        "token classifier"),
+    "unknown-class": (lambda: transformers.LlamaConfig(**SMALL, architectures=["MyLlamaRewardHead"]), "MyLlamaRewardHead"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unmodelled_classes_are_refused_by_name(name):
+    make, what = REFUSED[name]
+    cfg = make()
+    with pytest.raises(UnsupportedError, match=what) as e:
+        llmem_plugin.estimate(cfg, seq_len=16)
+    assert cfg.architectures[0] in str(e.value) and "HINT:" in str(e.value)
+
+
+def test_live_seq2seq_module_is_refused():
+    # The step would feed the labels as decoder inputs of the source's length,
+    # whatever the real target length: another workload, so it is refused.
+    module = transformers.T5ForConditionalGeneration(REFUSED["t5"][0]())
+    with pytest.raises(UnsupportedError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        llmem_plugin.estimate(module, seq_len=16)
+
+
+def test_cli_refuses_in_one_line_with_exit_2(capsys, tmp_path):
+    path = tmp_path / "bart.json"
+    REFUSED["bart"][0]().to_json_file(path)
+    code, _, err = run(capsys, "estimate", "--model", str(path), "--seq-len", "16")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "BartForConditionalGeneration" in err and "HINT" in err
+
+
+def test_classifiers_are_single_gpu_only(capsys, tmp_path):
+    path = tmp_path / "cls.json"
+    CLASSIFIERS["llama"]().to_json_file(path)
+    code, out, err = run(capsys, "estimate", "--model", str(path), "--seq-len", "16")
+    assert code == 0 and "LlamaForSequenceClassification" in out
+    for argv in (["estimate", "--method", "ddp", "--gpus", "2"], ["plan", "--gpus", "2", "--gpu", "h100-sxm"]):
+        code, _, err = run(capsys, *argv, "--model", str(path), "--seq-len", "16")
+        assert code == 2 and "sequence classifiers are estimated on one GPU only" in err
+
+
+def test_causal_lms_keep_their_class():
+    cfg = transformers.LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"])
+    assert llmem_plugin.estimate(cfg, seq_len=16).model_class == "LlamaForCausalLM"
+    bare = transformers.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4)  # no architectures
+    assert llmem_plugin.estimate(bare, seq_len=16).model_class == "GPT2LMHeadModel"
