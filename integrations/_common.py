@@ -201,6 +201,20 @@ def batch_dims(batch: Any) -> tuple[int, int] | None:
     return None
 
 
+def target_len(live: "LiveModel", batch: Any) -> int | None:
+    """The target length of a seq2seq model's batch (its ``labels``' second
+    dimension); None for other models, or a batch without 2-D labels."""
+    from llmem_plugin.tasks import Task, model_task
+
+    try:
+        if model_task(live.module) is not Task.SEQ2SEQ:
+            return None
+    except Exception:  # noqa: BLE001 - a class that is not modelled: the check says so
+        return None
+    labels = batch.get("labels") if hasattr(batch, "get") else None
+    return int(labels.shape[1]) if isinstance(labels, torch.Tensor) and labels.dim() == 2 else None
+
+
 def precision_of(param_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> Precision:
     """The workload precision of parameters in ``param_dtype`` under a trainer's
     bf16/fp16 switches (autocast over fp32 weights is mixed; bf16 weights are

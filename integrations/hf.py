@@ -125,7 +125,7 @@ def job_of(args: Any) -> Job:
     return Job("ddp" if world > 1 else "single", world, nodes, {})
 
 
-def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int) -> Workload:
+def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None) -> Workload:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _OPTIM:
         raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
@@ -135,7 +135,8 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int) -> W
     return Workload(seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=bool(args.gradient_checkpointing),
-                    attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer")
+                    attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
+                    target_len=target_len)
 
 
 def _unpartitioned(live: _common.LiveModel, wl: Workload) -> tuple[_common.LiveModel, Workload]:
@@ -294,7 +295,7 @@ class LLMemCallback(TrainerCallback):
         seq_len = self.seq_len or dims[1]
         try:
             job = job_of(self._args)
-            wl = _workload(self._args, live, batch, seq_len)
+            wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in))
             source, wl = _unpartitioned(live, wl)
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,

@@ -108,11 +108,14 @@ _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one nod
 _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
 _LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
 _LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every token; 0 keeps all")
+_TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequence; longer than any model's context")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
     p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--target-len", type=_TARGET_LEN, default=None,
+                   help="target tokens per sequence of a seq2seq model (default: --seq-len)")
     p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
     p.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
     p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
@@ -233,6 +236,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "logits_to_keep": args.logits_to_keep,
         "offload_activations": args.offload_activations,
         "reference_model": args.reference_model,
+        "target_len": getattr(args, "target_len", None),
     }
 
 

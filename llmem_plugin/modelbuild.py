@@ -302,7 +302,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     import transformers
 
     _quiet_transformers()
+    from llmem_plugin.tasks import check_workload, model_task
+
     if isinstance(source, nn.Module):
+        check_workload(model_task(source), workload)
         model = _structure_copy(source)
         if workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
@@ -312,12 +315,20 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         config = copy.deepcopy(resolve_config(source))
         config.use_cache = False
         task = config_task(config)
+        check_workload(task, workload)
         if task is Task.SEQ_CLS and getattr(config, "pad_token_id", None) is None:
             # A decoder classifier scores the last non-padding token and refuses
             # batches above 1 without a pad id (LlamaForSequenceClassification.
             # forward); fine-tuning recipes set it (to the eos id). Which id it
             # is changes no shape.
             config.pad_token_id = 0
+        if task is Task.SEQ2SEQ:
+            # Shifting the labels right needs both ids (T5's _shift_right,
+            # BART's shift_tokens_right); t5-base's config.json has 0 for both.
+            # Which ids they are changes no shape.
+            for key in ("pad_token_id", "decoder_start_token_id"):
+                if _safe_getattr(config, key) in (None, _MISSING):
+                    setattr(config, key, 0)
         with torch.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:

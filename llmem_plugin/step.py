@@ -277,7 +277,7 @@ def trace_step(
                     tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
-                    labels = make_labels(labels_for, input_ids)
+                    labels = make_labels(labels_for, input_ids, workload)
                     tracker.register([input_ids, labels], MemoryCategory.INPUT)
                     hooks.begin_micro(it, mb)
                     tracker.set_phase(Phase.FORWARD)

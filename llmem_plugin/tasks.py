@@ -10,7 +10,11 @@ say which task each class serves. Two tasks are modelled:
   names no class, as transformers' ``AutoModelForCausalLM`` builds it);
 - ``seq-cls``: a sequence classifier, labels of shape ``[batch]``
   (``num_labels`` from the config; one label is regression, as transformers'
-  ``problem_type`` rule has it).
+  ``problem_type`` rule has it);
+- ``seq2seq``: an encoder-decoder, source ids ``[batch, seq_len]`` and target
+  labels ``[batch, target_len]``; the model makes its decoder inputs by
+  shifting the labels right (``shift_tokens_right`` / ``_shift_right``), as
+  in transformers' seq2seq fine-tuning.
 
 Every other class is refused in one line: estimating its decoder as a causal
 LM would estimate another model.
@@ -26,15 +30,17 @@ from torch import nn
 
 from llmem_plugin.errors import UnsupportedError
 
-__all__ = ["Task", "config_task", "make_labels", "model_task", "require_causal_lm"]
+__all__ = ["Task", "check_workload", "config_task", "make_labels", "model_task", "require_causal_lm"]
 
 
 class Task(str, Enum):
     CAUSAL_LM = "causal-lm"
     SEQ_CLS = "seq-cls"
+    SEQ2SEQ = "seq2seq"
 
 
-_AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification"}
+_AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification",
+               Task.SEQ2SEQ: "AutoModelForSeq2SeqLM"}
 
 # Tasks that take more than token ids (images, a separate target sequence) or
 # another head; checked before the causal-LM table, which also lists some
@@ -42,7 +48,6 @@ _AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelF
 _REFUSED = (
     ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "a vision-language model (image-text-to-text)"),
     ("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "a multimodal model"),
-    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "an encoder-decoder (seq2seq) model"),
     ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a speech seq2seq model"),
 )
 _OTHER = (
@@ -79,14 +84,16 @@ def _classify(name: str) -> Task | str | None:
         return Task.CAUSAL_LM
     if name in _classes("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"):
         return Task.SEQ_CLS
+    if name in _classes("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"):
+        return Task.SEQ2SEQ
     return next((w for table, w in _OTHER if name in _classes(table)), None)
 
 
 def _refuse(name: str, what: str | None) -> UnsupportedError:
     return UnsupportedError(
         f"{name}{f' is {what}' if what else ' is not a class transformers lists for a task'}: its training step "
-        "is not modelled, and a causal LM in its place would be another model. Modelled: causal LMs (*ForCausalLM) "
-        "and sequence classifiers (*ForSequenceClassification). HINT: to fine-tune a decoder-only model as a "
+        "is not modelled, and a causal LM in its place would be another model. Modelled: causal LMs (*ForCausalLM), "
+        "sequence classifiers (*ForSequenceClassification) and text seq2seq models (AutoModelForSeq2SeqLM). HINT: to fine-tune a decoder-only model as a "
         "causal LM, set the config's architectures to its *ForCausalLM class")
 
 
@@ -126,18 +133,48 @@ def model_task(model: nn.Module) -> Task:
     return Task.CAUSAL_LM
 
 
-def make_labels(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> torch.Tensor:
     """The labels a fine-tuning batch carries for ``model``'s task: the token
-    ids (causal LM), or one class per sequence (``num_labels`` classes; a float
+    ids (causal LM); one class per sequence (``num_labels`` classes; a float
     target for one label, regression, as transformers' ``problem_type`` rule
-    in ``*ForSequenceClassification.forward``)."""
-    if model_task(model) is Task.CAUSAL_LM:
+    in ``*ForSequenceClassification.forward``); target token ids of
+    ``workload.target_len`` (seq2seq)."""
+    task = model_task(model)
+    if task is Task.CAUSAL_LM:
         return input_ids.clone()
-    num_labels = int(getattr(model.config, "num_labels", 2))
     b = input_ids.shape[0]
+    if task is Task.SEQ2SEQ:
+        t = workload.target_len or input_ids.shape[1]
+        vocab = model.get_input_embeddings().num_embeddings
+        from torch._subclasses.fake_tensor import is_fake
+
+        gen = None if is_fake(input_ids) else torch.Generator().manual_seed(1)
+        return torch.randint(0, vocab, (b, t), generator=gen)
+    num_labels = int(getattr(model.config, "num_labels", 2))
     if num_labels == 1:
         return torch.zeros(b, dtype=torch.float32)
-    return torch.zeros(b, dtype=torch.long) % num_labels
+    return torch.zeros(b, dtype=torch.long)
+
+
+def check_workload(task: Task, workload: Any) -> None:
+    """Refuse, in one line, workload options that exist for causal LMs only.
+
+    Raises:
+        ConfigError: A loss variant, ``logits_to_keep``, a reference model or
+            ``target_len`` the task does not have.
+    """
+    from llmem_plugin.errors import ConfigError
+
+    if task is not Task.CAUSAL_LM:
+        if workload.loss.value != "hf" or workload.logits_to_keep:
+            raise ConfigError(f"--loss {workload.loss.value} / --logits-to-keep are next-token losses of causal LMs; "
+                              f"this is a {task.value} model. HINT: drop them (the model's own loss is traced)")
+        if workload.reference_model:
+            raise ConfigError(f"a reference model (DPO) is modelled for causal LMs; this is a {task.value} model. "
+                              "HINT: drop --reference-model")
+    if task is not Task.SEQ2SEQ and workload.target_len is not None:
+        raise ConfigError(f"--target-len is the target length of seq2seq models; this is a {task.value} model. "
+                          "HINT: drop --target-len (--seq-len is its sequence length)")
 
 
 def require_causal_lm(source: Any, what: str) -> None:
@@ -159,5 +196,5 @@ def require_causal_lm(source: Any, what: str) -> None:
         task = config_task(resolve_config(source))
     if task is not Task.CAUSAL_LM:
         raise UnsupportedError(
-            f"{what}: sequence classifiers are estimated on one GPU only; the distributed engines' steps are "
+            f"{what}: {task.value} models are estimated on one GPU only; the distributed engines' steps are "
             "modelled for causal LMs. HINT: llmem estimate without --method/--gpus (method single)")

@@ -319,6 +319,9 @@ class Workload:
             ``no_grad`` after each policy forward, as DPO does (TRL): a
             frozen copy of the model in the parameter dtype, or with LoRA the
             same model with its adapters disabled.
+        target_len: Tokens per target sequence of an encoder-decoder
+            (seq2seq) model, whose ``seq_len`` is the source length; None:
+            ``seq_len``. Other models have no target sequence.
     """
 
     seq_len: int = 2048
@@ -337,6 +340,7 @@ class Workload:
     loss_chunks: int = 8
     offload_activations: ActivationOffload | None = None
     reference_model: bool = False
+    target_len: int | None = None
 
     def __post_init__(self) -> None:
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
@@ -344,6 +348,10 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}. HINT: pass {flag} N with N >= 1")
+        if self.target_len is not None and (
+                isinstance(self.target_len, bool) or not isinstance(self.target_len, int) or self.target_len <= 0):
+            raise ConfigError(f"target_len must be a positive integer, got {self.target_len!r}. "
+                              "HINT: pass --target-len N with N >= 1 (seq2seq models only)")
         if self.grad_accum_steps > MAX_GRAD_ACCUM_STEPS:
             raise ConfigError(
                 f"grad_accum_steps {self.grad_accum_steps} exceeds {MAX_GRAD_ACCUM_STEPS:,}: the loss is divided "
@@ -399,4 +407,5 @@ class Workload:
             "loss_chunks": self.loss_chunks,
             "offload_activations": None if self.offload_activations is None else self.offload_activations.value,
             "reference_model": self.reference_model,
+            "target_len": self.target_len,
         }

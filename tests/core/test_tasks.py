@@ -13,6 +13,7 @@ import llmem_plugin
 from llmem_plugin import modelbuild
 from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.step import trace_step
+from llmem_plugin.tracker import round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..cli._run import run
@@ -66,11 +67,47 @@ def test_live_classifier_gets_class_labels():
     assert est.peak_tensor_bytes == llmem_plugin.estimate(cfg, seq_len=32, batch_size=2).peak_tensor_bytes
 
 
+SEQ2SEQ = {
+    "t5": lambda: transformers.T5Config(vocab_size=512, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+                                        architectures=["T5ForConditionalGeneration"]),
+    "bart": lambda: transformers.BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                                            encoder_attention_heads=4, decoder_attention_heads=4,
+                                            encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
+                                            architectures=["BartForConditionalGeneration"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+@pytest.mark.parametrize("target_len", [None, 16])
+def test_seq2seq_is_estimated_as_its_class_and_fake_equals_real(name, target_len):
+    cfg = SEQ2SEQ[name]()
+    wl = Workload(seq_len=64, target_len=target_len, micro_batch_size=2, precision="bf16-mixed")
+    real_class = getattr(transformers, cfg.architectures[0])
+    est = llmem_plugin.estimate(cfg, wl)
+    assert est.model_class == real_class.__name__
+    assert est.params == sum(p.numel() for p in real_class(cfg).parameters())
+    fake_model = modelbuild.build_model(cfg, wl, device="meta")
+    mode = FakeTensorMode()
+    modelbuild.fakeify(fake_model, mode)
+    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=mode)
+    torch.manual_seed(0)
+    real = trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+    # The labels (int64) and so the decoder's inputs and logits follow target_len.
+    from llmem_plugin.step import micro_mark
+
+    at = fake.marks[micro_mark(0, 0)]  # the micro-batch's input ids, then its labels
+    assert [e[2] for e in fake.events[at:at + 2]] == [round_allocation(2 * n * 8) for n in (64, target_len or 64)]
+
+
+def test_shorter_targets_need_less():
+    cfg = SEQ2SEQ["t5"]()
+    long, short = (llmem_plugin.estimate(cfg, seq_len=64, target_len=t).peak_tensor_bytes for t in (64, 16))
+    assert short < long
+
+
 REFUSED = {
-    "bart": (lambda: transformers.BartConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
-                                             architectures=["BartForConditionalGeneration"]), "seq2seq"),
-    "t5": (lambda: transformers.T5Config(vocab_size=512, d_model=64, num_layers=2,
-                                         architectures=["T5ForConditionalGeneration"]), "seq2seq"),
     "gemma3-multimodal": (lambda: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]),
                           "vision-language"),
     "llava": (lambda: transformers.LlavaConfig(architectures=["LlavaForConditionalGeneration"]), "vision-language"),
@@ -90,20 +127,31 @@ def test_unmodelled_classes_are_refused_by_name(name):
     assert cfg.architectures[0] in str(e.value) and "HINT:" in str(e.value)
 
 
-def test_live_seq2seq_module_is_refused():
-    # The step would feed the labels as decoder inputs of the source's length,
-    # whatever the real target length: another workload, so it is refused.
-    module = transformers.T5ForConditionalGeneration(REFUSED["t5"][0]())
-    with pytest.raises(UnsupportedError, match="T5ForConditionalGeneration is an encoder-decoder"):
+def test_live_vision_language_module_is_refused():
+    cfg = transformers.LlavaConfig(text_config=transformers.LlamaConfig(**SMALL),
+                                   vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                                                               num_hidden_layers=1,
+                                                                               num_attention_heads=2))
+    module = transformers.LlavaForConditionalGeneration(cfg)
+    with pytest.raises(UnsupportedError, match="LlavaForConditionalGeneration is a vision-language model"):
         llmem_plugin.estimate(module, seq_len=16)
 
 
+def test_target_len_is_for_seq2seq_only(capsys):
+    with pytest.raises(llmem_plugin.ConfigError, match="--target-len"):
+        llmem_plugin.estimate(CLASSIFIERS["llama"](), seq_len=16, target_len=8)
+    with pytest.raises(llmem_plugin.ConfigError, match="target_len must be a positive integer"):
+        Workload(target_len=0)
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "16", "--target-len", "8")
+    assert code == 2 and "seq2seq" in err
+
+
 def test_cli_refuses_in_one_line_with_exit_2(capsys, tmp_path):
-    path = tmp_path / "bart.json"
-    REFUSED["bart"][0]().to_json_file(path)
+    path = tmp_path / "llava.json"
+    REFUSED["llava"][0]().to_json_file(path)
     code, _, err = run(capsys, "estimate", "--model", str(path), "--seq-len", "16")
     assert code == 2
-    assert err.strip().count("\n") == 0 and "BartForConditionalGeneration" in err and "HINT" in err
+    assert err.strip().count("\n") == 0 and "LlavaForConditionalGeneration" in err and "HINT" in err
 
 
 def test_classifiers_are_single_gpu_only(capsys, tmp_path):
@@ -113,7 +161,7 @@ def test_classifiers_are_single_gpu_only(capsys, tmp_path):
     assert code == 0 and "LlamaForSequenceClassification" in out
     for argv in (["estimate", "--method", "ddp", "--gpus", "2"], ["plan", "--gpus", "2", "--gpu", "h100-sxm"]):
         code, _, err = run(capsys, *argv, "--model", str(path), "--seq-len", "16")
-        assert code == 2 and "sequence classifiers are estimated on one GPU only" in err
+        assert code == 2 and "seq-cls models are estimated on one GPU only" in err
 
 
 def test_causal_lms_keep_their_class():

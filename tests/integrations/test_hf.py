@@ -255,3 +255,47 @@ def test_autoconfigure_without_bitsandbytes_raises_wont_fit_not_import_error(tmp
         autoconfigure(_model(), args, {"num_gpus": 1, "gpu": "h100-sxm", "gpu_memory": "0.05GiB"}, seq_len=SEQ,
                       methods=["single"])
     assert e.value.plan is not None and "no method fits" in str(e.value)
+
+
+class _Seq2SeqTokens(_Tokens):
+    TARGET = 32
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, self.vocab, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids[: self.TARGET].clone()}
+
+
+class _Classes(_Tokens):
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, self.vocab, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": torch.tensor(i % 2)}
+
+
+@pytest.mark.parametrize("kind", ["t5", "seq-cls"])
+def test_seq2seq_and_classifier_are_checked_as_their_task(tmp_path, kind):
+    """A live T5 with 32-token labels under 64-token sources, and a live
+    sequence classifier: predicted within 1% of the measured peak, without a
+    warning (the classifier's labels are [batch], not [batch, seq])."""
+    torch.manual_seed(0)
+    if kind == "t5":
+        cfg = transformers.T5Config(vocab_size=512, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4,
+                                    decoder_start_token_id=0, pad_token_id=0)
+        model, data = transformers.T5ForConditionalGeneration(cfg), _Seq2SeqTokens(cfg.vocab_size)
+    else:
+        cfg = tiny_config("llama")
+        cfg.pad_token_id = 0
+        model, data = transformers.LlamaForSequenceClassification(cfg), _Classes(cfg.vocab_size)
+    cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=2)
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, max_steps=3,
+                              use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                              dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[cb])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "llmem" in str(w.message) or "batch_size" in str(w.message)], \
+        [str(w.message) for w in caught]
+    pred = cb.comparison.prediction
+    assert pred.workload["target_len"] == (_Seq2SeqTokens.TARGET if kind == "t5" else None)
+    meas = cb.comparison.measurement.allocated_bytes
+    assert abs(meas - pred.tensor_bytes) <= 0.01 * meas, (meas, pred.tensor_bytes)
