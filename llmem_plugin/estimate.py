@@ -683,7 +683,8 @@ def estimate(
         from llmem_plugin.fast import extrapolated_trace
         from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
 
-        ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True))
+        ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True),
+                                 trace_full=trace)
         result = ext.result
         fast_notes = (ext.note,) if ext.note else ()
         if result is None:  # layer kinds unknown: the full trace below

@@ -91,7 +91,8 @@ def fallback_note(reason: str) -> str:
 
 
 def extrapolated_trace(
-    source: Any, workload: Workload, *, depth: int, trace: Callable[[Any, Workload], TraceResult]
+    source: Any, workload: Workload, *, depth: int, trace: Callable[[Any, Workload], TraceResult],
+    trace_full: Callable[[Any, Workload], TraceResult] | None = None,
 ) -> Extrapolation:
     """Peak of the ``depth``-layer model, from traces of two shortened copies.
 
@@ -100,6 +101,8 @@ def extrapolated_trace(
         workload: The workload.
         depth: Layers of the real model.
         trace: Traces a built meta model (``estimate._trace``).
+        trace_full: Traces the model itself where no shorter copy exists
+            (default: ``trace``; the copies may need more, e.g. layer tags).
 
     Returns:
         The :class:`Extrapolation`; its result's timeline and event list are
@@ -114,7 +117,7 @@ def extrapolated_trace(
         return Extrapolation(None, note=fallback_note(f"the config lists {len(kinds)} layers, the model {depth}"))
     plan = plan_layers(kinds)
     if plan is None:
-        return Extrapolation(trace(modelbuild.build_model(config, workload), workload))
+        return Extrapolation((trace_full or trace)(modelbuild.build_model(config, workload), workload))
     try:
         c1 = shortened_config(config, plan.indices(plan.traced), kinds)
         c2 = shortened_config(config, plan.indices(plan.traced + 1), kinds)
