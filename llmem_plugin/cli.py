@@ -114,6 +114,9 @@ _TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequen
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
     p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--task", default=None,
+                   help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq "
+                        "(default: the class the config's architectures names)")
     p.add_argument("--target-len", type=_TARGET_LEN, default=None,
                    help="target tokens per sequence of a seq2seq model (default: --seq-len)")
     p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
@@ -237,6 +240,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "offload_activations": args.offload_activations,
         "reference_model": args.reference_model,
         "target_len": getattr(args, "target_len", None),
+        "task": getattr(args, "task", None),
     }
 
 

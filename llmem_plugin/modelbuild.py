@@ -305,7 +305,11 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     from llmem_plugin.tasks import check_workload, model_task
 
     if isinstance(source, nn.Module):
-        check_workload(model_task(source), workload)
+        task = model_task(source)
+        if workload.task is not None and workload.task != task.value:
+            raise ConfigError(f"task {workload.task!r} was given, but the module is a {type(source).__name__} "
+                              f"({task.value}). HINT: drop the task, or pass the module the job trains")
+        check_workload(task, workload)
         model = _structure_copy(source)
         if workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
@@ -314,7 +318,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
 
         config = copy.deepcopy(resolve_config(source))
         config.use_cache = False
-        task = config_task(config)
+        task = config_task(config, workload.task)
         check_workload(task, workload)
         if task is Task.SEQ_CLS and getattr(config, "pad_token_id", None) is None:
             # A decoder classifier scores the last non-padding token and refuses
@@ -455,9 +459,10 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.dropout,
         target_modules=targets,
-        # SEQ_CLS also trains the new classification head (peft's
-        # PeftModelForSequenceClassification adds it to modules_to_save).
-        task_type="SEQ_CLS" if model_task(model) is Task.SEQ_CLS else "CAUSAL_LM",
+        # peft's task types: SEQ_CLS and TOKEN_CLS also train the new
+        # classification head (their peft models add it to modules_to_save).
+        task_type={Task.SEQ_CLS: "SEQ_CLS", Task.TOKEN_CLS: "TOKEN_CLS", Task.SEQ2SEQ: "SEQ_2_SEQ_LM"}.get(
+            model_task(model), "CAUSAL_LM"),
     )
     from llmem_plugin.quant import lora_custom_modules
 

@@ -946,7 +946,7 @@ def plan(
     config = modelbuild.resolve_config(model)
     from llmem_plugin.tasks import require_causal_lm
 
-    require_causal_lm(config, "llmem plan")
+    require_causal_lm(config, "llmem plan", wl.task)
     meta = modelbuild.build_model(config, wl, device="meta")
     params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
     trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)

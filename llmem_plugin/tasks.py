@@ -11,13 +11,17 @@ say which task each class serves. Two tasks are modelled:
 - ``seq-cls``: a sequence classifier, labels of shape ``[batch]``
   (``num_labels`` from the config; one label is regression, as transformers'
   ``problem_type`` rule has it);
+- ``token-cls``: a token classifier, labels ``[batch, seq_len]`` of
+  ``num_labels`` classes;
 - ``seq2seq``: an encoder-decoder, source ids ``[batch, seq_len]`` and target
   labels ``[batch, target_len]``; the model makes its decoder inputs by
   shifting the labels right (``shift_tokens_right`` / ``_shift_right``), as
   in transformers' seq2seq fine-tuning.
 
 Every other class is refused in one line: estimating its decoder as a causal
-LM would estimate another model.
+LM would estimate another model. ``Workload.task`` (``--task``) overrides the
+config's class, for a checkpoint saved as one class and fine-tuned as another
+(a base model's config under a classifier).
 """
 
 from __future__ import annotations
@@ -36,11 +40,17 @@ __all__ = ["Task", "check_workload", "config_task", "make_labels", "model_task",
 class Task(str, Enum):
     CAUSAL_LM = "causal-lm"
     SEQ_CLS = "seq-cls"
+    TOKEN_CLS = "token-cls"
     SEQ2SEQ = "seq2seq"
 
 
 _AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification",
-               Task.SEQ2SEQ: "AutoModelForSeq2SeqLM"}
+               Task.TOKEN_CLS: "AutoModelForTokenClassification", Task.SEQ2SEQ: "AutoModelForSeq2SeqLM"}
+# transformers' table of each modelled task's classes.
+_TABLE = {Task.CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+          Task.SEQ_CLS: "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+          Task.TOKEN_CLS: "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+          Task.SEQ2SEQ: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
 
 # Tasks that take more than token ids (images, a separate target sequence) or
 # another head; checked before the causal-LM table, which also lists some
@@ -52,7 +62,6 @@ _REFUSED = (
 )
 _OTHER = (
     ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "a masked-LM encoder"),
-    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "a token classifier"),
     ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "a question-answering model"),
     ("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "a multiple-choice model"),
     ("MODEL_FOR_PRETRAINING_MAPPING_NAMES", "a pretraining head"),
@@ -80,38 +89,76 @@ def _classify(name: str) -> Task | str | None:
     what = next((w for table, w in _REFUSED if name in _classes(table)), None)
     if what is not None:
         return what
-    if name in _classes("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
-        return Task.CAUSAL_LM
-    if name in _classes("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"):
-        return Task.SEQ_CLS
-    if name in _classes("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"):
-        return Task.SEQ2SEQ
+    for task, table in _TABLE.items():
+        if name in _classes(table):
+            return task
     return next((w for table, w in _OTHER if name in _classes(table)), None)
 
 
 def _refuse(name: str, what: str | None) -> UnsupportedError:
     return UnsupportedError(
         f"{name}{f' is {what}' if what else ' is not a class transformers lists for a task'}: its training step "
-        "is not modelled, and a causal LM in its place would be another model. Modelled: causal LMs (*ForCausalLM), "
-        "sequence classifiers (*ForSequenceClassification) and text seq2seq models (AutoModelForSeq2SeqLM). HINT: to fine-tune a decoder-only model as a "
-        "causal LM, set the config's architectures to its *ForCausalLM class")
+        f"is not modelled, and a causal LM in its place would be another model. Modelled tasks: "
+        f"{', '.join(t.value for t in Task)}. HINT: pass --task (task=) with the one the job trains, e.g. "
+        "--task causal-lm for a text-only fine-tune of a decoder")
 
 
-def config_task(config: Any) -> Task:
-    """The task of the class ``config.architectures[0]`` names (causal LM if none).
+def _language_model_task(config: Any) -> Task | None:
+    """The language-model task of ``config``'s model type, for a config that
+    names no head (no ``architectures``, or a bare ``*Model`` such as
+    bart-base's ``BartModel``): seq2seq for an encoder-decoder, causal LM for
+    a decoder. None for an encoder (a type with a masked-LM class: BERT's
+    ``BertLMHeadModel`` is not how it is fine-tuned), where the head must be
+    named."""
+    import transformers
+
+    kind = type(config)
+    if getattr(config, "is_encoder_decoder", False) and kind in auto_class(Task.SEQ2SEQ)._model_mapping:
+        return Task.SEQ2SEQ
+    if kind in auto_class(Task.CAUSAL_LM)._model_mapping and kind not in transformers.AutoModelForMaskedLM._model_mapping:
+        return Task.CAUSAL_LM
+    return None
+
+
+def config_task(config: Any, override: Task | str | None = None) -> Task:
+    """The task to trace for ``config``: ``override`` if given, else that of
+    the class ``config.architectures[0]`` names, else (no class named) the
+    model type's (causal LM first, as ``AutoModelForCausalLM`` would build).
 
     Raises:
         UnsupportedError: A class whose training step is not modelled.
+        ConfigError: An override the model type has no class for.
     """
+    from llmem_plugin.errors import ConfigError
+
+    if override is not None:
+        task = Task(override)
+        if type(config) not in auto_class(task)._model_mapping:
+            raise ConfigError(f"model type {getattr(config, 'model_type', '?')!r} has no {task.value} class in "
+                              f"transformers ({_AUTO_CLASS[task]}). HINT: pass another --task, or drop it")
+        return task
     archs = getattr(config, "architectures", None)
     name = archs[0] if isinstance(archs, (list, tuple)) and archs and isinstance(archs[0], str) else None
-    if name is None:
-        return Task.CAUSAL_LM
+    if name is None or name in _classes("MODEL_MAPPING_NAMES"):
+        task = _language_model_task(config)
+        if task is not None:
+            return task
+        if name is None and type(config) not in __import__("transformers").AutoModelForMaskedLM._model_mapping:
+            return Task.CAUSAL_LM  # no class of its own: AutoModelForCausalLM says what is wrong
+        raise UnsupportedError(
+            f"the config names no head ({name or 'no architectures'}) and model type "
+            f"{getattr(config, 'model_type', '?')!r} is an encoder: the head the job trains decides the step. "
+            "HINT: pass --task seq-cls or --task token-cls (task= in the API), or a config whose architectures "
+            "names the class")
     task = _classify(name)
     if isinstance(task, Task):
         return task
-    if task is None and name.endswith(("ForCausalLM", "LMHeadModel")):
-        return Task.CAUSAL_LM  # a class outside transformers' tables (remote code): by its name
+    if task is None and name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
+        # A class outside transformers' tables (remote code, or an old name
+        # such as T5WithLMHeadModel): the model type's language-model class.
+        by_type = _language_model_task(config)
+        if by_type is not None:
+            return by_type
     raise _refuse(f"the config's architectures[0], {name},", task)
 
 
@@ -135,7 +182,7 @@ def model_task(model: nn.Module) -> Task:
 
 def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> torch.Tensor:
     """The labels a fine-tuning batch carries for ``model``'s task: the token
-    ids (causal LM); one class per sequence (``num_labels`` classes; a float
+    ids (causal LM); one class per token (token classifier); one class per sequence (``num_labels`` classes; a float
     target for one label, regression, as transformers' ``problem_type`` rule
     in ``*ForSequenceClassification.forward``); target token ids of
     ``workload.target_len`` (seq2seq)."""
@@ -143,6 +190,8 @@ def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> tor
     if task is Task.CAUSAL_LM:
         return input_ids.clone()
     b = input_ids.shape[0]
+    if task is Task.TOKEN_CLS:
+        return torch.zeros_like(input_ids)
     if task is Task.SEQ2SEQ:
         t = workload.target_len or input_ids.shape[1]
         vocab = model.get_input_embeddings().num_embeddings
@@ -177,12 +226,13 @@ def check_workload(task: Task, workload: Any) -> None:
                           "HINT: drop --target-len (--seq-len is its sequence length)")
 
 
-def require_causal_lm(source: Any, what: str) -> None:
+def require_causal_lm(source: Any, what: str, override: str | None = None) -> None:
     """Refuse, in one line, a sequence classifier where only causal LMs are modelled.
 
     Args:
         source: A model source (config, name, path) or a built module.
         what: The feature asked for (``"--method fsdp"``, ``"llmem plan"``).
+        override: The workload's task, if given.
 
     Raises:
         UnsupportedError: ``source`` is a sequence classifier (or names a
@@ -190,10 +240,12 @@ def require_causal_lm(source: Any, what: str) -> None:
     """
     if isinstance(source, nn.Module):
         task = model_task(source)
+        if override is not None:
+            task = Task(override)
     else:
         from llmem_plugin.modelbuild import resolve_config
 
-        task = config_task(resolve_config(source))
+        task = config_task(resolve_config(source), override)
     if task is not Task.CAUSAL_LM:
         raise UnsupportedError(
             f"{what}: {task.value} models are estimated on one GPU only; the distributed engines' steps are "

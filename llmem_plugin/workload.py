@@ -322,6 +322,9 @@ class Workload:
         target_len: Tokens per target sequence of an encoder-decoder
             (seq2seq) model, whose ``seq_len`` is the source length; None:
             ``seq_len``. Other models have no target sequence.
+        task: What the model is trained for (:class:`llmem_plugin.tasks.Task`:
+            ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``); None:
+            the class the config's ``architectures`` names.
     """
 
     seq_len: int = 2048
@@ -341,6 +344,7 @@ class Workload:
     offload_activations: ActivationOffload | None = None
     reference_model: bool = False
     target_len: int | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
@@ -352,6 +356,10 @@ class Workload:
                 isinstance(self.target_len, bool) or not isinstance(self.target_len, int) or self.target_len <= 0):
             raise ConfigError(f"target_len must be a positive integer, got {self.target_len!r}. "
                               "HINT: pass --target-len N with N >= 1 (seq2seq models only)")
+        if self.task is not None:
+            from llmem_plugin.tasks import Task
+
+            object.__setattr__(self, "task", _choice(Task, self.task, "task", "--task").value)
         if self.grad_accum_steps > MAX_GRAD_ACCUM_STEPS:
             raise ConfigError(
                 f"grad_accum_steps {self.grad_accum_steps} exceeds {MAX_GRAD_ACCUM_STEPS:,}: the loss is divided "
@@ -408,4 +416,5 @@ class Workload:
             "offload_activations": None if self.offload_activations is None else self.offload_activations.value,
             "reference_model": self.reference_model,
             "target_len": self.target_len,
+            "task": self.task,
         }

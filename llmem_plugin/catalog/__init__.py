@@ -236,9 +236,11 @@ def load_config(name: str, overrides: dict[str, Any] | None = None) -> transform
 
 
 def count_parameters(config: transformers.PretrainedConfig) -> tuple[int, int]:
-    """Count a causal LM's parameters by building it on the meta device.
+    """Count a model's parameters by building it on the meta device.
 
-    The model is ``AutoModelForCausalLM.from_config(config)`` built under
+    The model is the class its ``architectures`` names
+    (:func:`llmem_plugin.tasks.config_task`; a causal LM by default), e.g.
+    ``AutoModelForCausalLM.from_config(config)``, built under
     ``torch.device("meta")``, so no weights are allocated; a 70B model takes
     well under a second once ``transformers`` is imported.
 
@@ -251,15 +253,18 @@ def count_parameters(config: transformers.PretrainedConfig) -> tuple[int, int]:
         number of transformer layers (``config.num_hidden_layers``).
 
     Raises:
-        ConfigError: ``config`` is not a causal-LM architecture known to
+        ConfigError: ``config`` is not an architecture known to
             ``transformers``, or does not say how many layers it has.
+        UnsupportedError: Its class's task is not modelled.
     """
     import torch
     import transformers
 
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            from llmem_plugin.tasks import auto_class, config_task
+
+            model = auto_class(config_task(config)).from_config(config)
     except ValueError as e:
         raise ConfigError(
             f"model_type {config.model_type!r} has no causal-LM class in transformers "

@@ -79,7 +79,7 @@ def estimate_method(
     if mod != "single":
         from llmem_plugin.tasks import require_causal_lm
 
-        require_causal_lm(model, f"--method {name}")
+        require_causal_lm(model, f"--method {name}", workload.task)
     from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
 
     if mod != "single" and workload.grad_accum_steps > MAX_TRACED_MICRO_STEPS:

@@ -16,6 +16,7 @@ import transformers
 
 from llmem_plugin import catalog
 from llmem_plugin.errors import ConfigError
+from llmem_plugin.tasks import config_task
 
 EXPECTED_NAMES = {
     "gpt2",
@@ -39,7 +40,12 @@ EXPECTED_NAMES = {
     "gemma-2-2b",
     "gemma-2-9b",
     "phi-3-mini",
+    "t5-base",
+    "bart-base",
+    "distilbert-sst2",
 }
+# The task each entry's architectures names (llmem_plugin.tasks); the rest are causal LMs.
+TASKS = {"t5-base": "seq2seq", "bart-base": "seq2seq", "distilbert-sst2": "seq-cls"}
 
 # Keys that are tokenizer, checkpoint or library metadata, not architecture.
 _NON_ARCHITECTURE_KEYS = {"_name_or_path", "auto_map", "transformers_version", "tokenizer_class"}
@@ -63,7 +69,8 @@ def test_every_name_has_one_shipped_config() -> None:
 def test_config_holds_architecture_facts_only(name: str) -> None:
     cfg = catalog.config_dict(name)
     assert isinstance(cfg["model_type"], str)
-    assert len(cfg["architectures"]) == 1 and cfg["architectures"][0].endswith(("ForCausalLM", "LMHeadModel"))
+    assert len(cfg["architectures"]) == 1
+    assert config_task(catalog.load_config(name)).value == TASKS.get(name, "causal-lm")
     assert cfg["vocab_size"] > 0
     assert not _NON_ARCHITECTURE_KEYS & cfg.keys()
 
@@ -75,7 +82,7 @@ def test_meta_build_matches_published_params(name: str) -> None:
     assert type(config).__name__ != "PretrainedConfig"  # a model-specific class
     num_params, num_layers = catalog.count_parameters(config)
     raw = catalog.config_dict(name)
-    assert num_layers == raw.get("num_hidden_layers", raw.get("n_layer"))
+    assert num_layers == next(raw[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in raw)
     published = catalog.entry(name).published_params
     if published is not None:
         # If this fails, fix the config.json, never the published number.

@@ -28,6 +28,10 @@ CLASSIFIERS = {
                                               architectures=["LlamaForSequenceClassification"]),
     "llama-regression": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2, num_labels=1,
                                                          architectures=["LlamaForSequenceClassification"]),
+    "bert-token-cls": lambda: transformers.BertConfig(**SMALL, num_labels=5,
+                                                      architectures=["BertForTokenClassification"]),
+    "llama-token-cls": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2,
+                                                        architectures=["LlamaForTokenClassification"]),
 }
 
 
@@ -112,8 +116,6 @@ REFUSED = {
                           "vision-language"),
     "llava": (lambda: transformers.LlavaConfig(architectures=["LlavaForConditionalGeneration"]), "vision-language"),
     "modernbert-mlm": (lambda: transformers.ModernBertConfig(architectures=["ModernBertForMaskedLM"]), "masked-LM"),
-    "llama-token-cls": (lambda: transformers.LlamaConfig(**SMALL, architectures=["LlamaForTokenClassification"]),
-                        "token classifier"),
     "unknown-class": (lambda: transformers.LlamaConfig(**SMALL, architectures=["MyLlamaRewardHead"]), "MyLlamaRewardHead"),
 }
 
@@ -162,6 +164,36 @@ def test_classifiers_are_single_gpu_only(capsys, tmp_path):
     for argv in (["estimate", "--method", "ddp", "--gpus", "2"], ["plan", "--gpus", "2", "--gpu", "h100-sxm"]):
         code, _, err = run(capsys, *argv, "--model", str(path), "--seq-len", "16")
         assert code == 2 and "seq-cls models are estimated on one GPU only" in err
+
+
+def test_task_overrides_the_config_class(capsys, tmp_path):
+    cfg = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    est = llmem_plugin.estimate(cfg, seq_len=16, task="seq-cls")
+    assert est.model_class == "LlamaForSequenceClassification"
+    assert est.params == sum(p.numel() for p in transformers.LlamaForSequenceClassification(cfg).parameters())
+    with pytest.raises(llmem_plugin.ConfigError, match="has no seq2seq class"):
+        llmem_plugin.estimate(cfg, seq_len=16, task="seq2seq")
+    with pytest.raises(llmem_plugin.ConfigError, match="valid: causal-lm, seq-cls, token-cls, seq2seq"):
+        Workload(task="classification")
+    # An encoder's config that names no head: the head decides the step.
+    bert = tmp_path / "bert.json"
+    transformers.BertConfig(**SMALL, architectures=["BertModel"]).to_json_file(bert)
+    code, _, err = run(capsys, "estimate", "--model", str(bert), "--seq-len", "16")
+    assert code == 2 and "--task seq-cls" in err
+    code, out, err = run(capsys, "estimate", "--model", str(bert), "--seq-len", "16", "--task", "token-cls")
+    assert code == 0 and "BertForTokenClassification" in out
+
+
+def test_bare_and_old_class_names_take_the_model_types_language_model():
+    # bart-base's config names the bare BartModel; old T5 configs T5WithLMHeadModel.
+    bart = SEQ2SEQ["bart"]()
+    bart.architectures = ["BartModel"]
+    assert llmem_plugin.estimate(bart, seq_len=16).model_class == "BartForConditionalGeneration"
+    t5 = SEQ2SEQ["t5"]()
+    t5.architectures = ["T5WithLMHeadModel"]
+    assert llmem_plugin.estimate(t5, seq_len=16).model_class == "T5ForConditionalGeneration"
+    llama = transformers.LlamaConfig(**SMALL, architectures=["LlamaModel"])
+    assert llmem_plugin.estimate(llama, seq_len=16).model_class == "LlamaForCausalLM"
 
 
 def test_causal_lms_keep_their_class():
