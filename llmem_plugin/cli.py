@@ -630,13 +630,16 @@ def _parser_models(sub) -> None:
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from llmem_plugin import catalog
+    from llmem_plugin.tasks import config_task
 
     gpu = _gpu(args) if args.gpu or args.gpu_memory else None
     rows = []
     for name in catalog.names():
         e = catalog.entry(name)
-        params, layers = catalog.count_parameters(catalog.load_config(name))
-        row = {"name": name, "hub_id": e.hub_id, "family": e.family, "num_layers": layers, "params": params}
+        config = catalog.load_config(name)
+        params, layers = catalog.count_parameters(config)
+        row = {"name": name, "hub_id": e.hub_id, "family": e.family, "task": config_task(config).value,
+               "num_layers": layers, "params": params}
         if gpu is not None:
             # bf16 weights alone (2 bytes per parameter): a first filter, not an estimate.
             row["gpu"] = gpu.name
