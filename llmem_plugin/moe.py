@@ -65,8 +65,18 @@ _NONZERO = torch.ops.aten.nonzero.default
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
+# Experts classes that run their own per-expert loop without transformers'
+# @use_experts_implementation (so no _experts_implementation applies):
+# modeling_dbrx.py (5.24) DbrxExperts.forward, nonzero over the experts hit
+# and torch.where per expert, as the eager loop.
+_UNDECORATED_EAGER_EXPERTS = ("DbrxExperts",)
+
+
 def _routing_fields(config: Any) -> tuple[int, int] | None:
     """(num_experts, top_k) of an MoE config, or None for a dense model."""
+    ffn = getattr(config, "ffn_config", None)  # DBRX: DbrxFFNConfig.moe_num_experts / moe_top_k
+    if getattr(ffn, "moe_num_experts", None) and getattr(ffn, "moe_top_k", None):
+        return int(ffn.moe_num_experts), int(ffn.moe_top_k)
     top_k = getattr(config, "num_experts_per_tok", None)
     # Mixtral names the expert count num_local_experts, Qwen3-MoE num_experts.
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -87,6 +97,8 @@ def experts_implementation(config: Any) -> str | None:
     """
     if _routing_fields(config) is None:
         return None
+    if getattr(config, "model_type", None) == "dbrx":
+        return "eager"  # DbrxExperts: see _UNDECORATED_EAGER_EXPERTS
     impl = getattr(config, "_experts_implementation", None)
     return impl or _DEFAULT_IMPLEMENTATION
 
@@ -181,12 +193,18 @@ def bound_eager_routing(model: nn.Module) -> int:
         How many experts modules were wrapped.
     """
     wrapped = 0
+    model_fields = _routing_fields(getattr(model, "config", None))
     for module in model.modules():
-        if not _is_experts_module(module) or "forward" in vars(module):
+        if "forward" in vars(module):
             continue
-        impl = getattr(module.config, "_experts_implementation", None)
-        fields = _routing_fields(module.config)
-        if impl not in (None, "eager") or fields is None:
+        if type(module).__name__ in _UNDECORATED_EAGER_EXPERTS:
+            fields = model_fields
+        elif _is_experts_module(module):
+            impl = getattr(module.config, "_experts_implementation", None)
+            fields = _routing_fields(module.config) if impl in (None, "eager") else None
+        else:
+            continue
+        if fields is None:
             continue
 
         def forward(*args: Any, _orig=module.forward, _fields=fields, **kwargs: Any) -> Any:

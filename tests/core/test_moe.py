@@ -199,3 +199,43 @@ def test_routing_note_and_estimate_notes():
     assert est.to_dict()["notes"] == list(est.notes)
     assert estimate(tiny_config("llama"), WL).notes == ()
     assert moe.unsupported("single", WL) is None
+
+
+def _dbrx():
+    # clip_qkv as DBRX's published config.json has it (8): transformers' DBRX
+    # attention clamps with it unconditionally.
+    return transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=512,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000, "clip_qkv": 8},
+        ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2})
+
+
+@pytest.mark.parametrize("routing", ["random", "one"])
+def test_dbrx_experts_loop_is_bounded_by_its_worst_case(routing):
+    """DBRX's experts (DbrxExperts, no experts-implementation switch) loop over
+    the experts hit with nonzero/where: traced at the worst case, which bounds
+    real runs under the router's own choice and with every token on the
+    first top_k experts."""
+    cfg = _dbrx()
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16")
+    assert moe.experts_implementation(cfg) == "eager" and moe._routing_fields(cfg) == (4, 2)
+    bound = _fake(cfg, wl)
+    torch.manual_seed(0)
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    if routing == "one":
+        for m in model.modules():
+            if type(m).__name__ == "DbrxFFN":
+                def route(logits, _orig=m.route_tokens_to_experts):
+                    weights, idx = _orig(logits)
+                    with _pause.untracked():
+                        idx.data.copy_(torch.arange(idx.shape[1]).expand_as(idx))  # past the version check
+                    return weights, idx
+                m.route_tokens_to_experts = route
+    real = trace_step(model, wl, vocab_size=cfg.vocab_size)
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        assert bound.phase_peaks[phase] >= real.phase_peaks[phase], phase
+    assert bound.peak_bytes >= real.peak_bytes
+    if routing == "one":  # the same loop but for the one-row experts: within 40 blocks per layer each
+        assert bound.phase_peaks[Phase.FORWARD] - real.phase_peaks[Phase.FORWARD] <= 2 * 2 * 40 * 512
+    est = estimate(cfg, wl)
+    assert est.notes == (moe.routing_note(cfg, wl),) and "worst case" in est.notes[0]
