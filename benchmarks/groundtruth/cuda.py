@@ -163,6 +163,8 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
     """
     import torch
 
+    from llmem_plugin.tasks import make_labels
+
     wl = case.workload
     optimizer = techniques.make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
     reference = techniques.reference_forward(model, wl)  # a frozen copy is resident from here
@@ -174,7 +176,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
         rec.step_in_progress = step
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device=device, generator=gen)
-            labels = input_ids.clone()
+            labels = make_labels(model, input_ids, wl).to(device)  # the task's labels (llmem_plugin.tasks)
             ref_logps = None
             if reference is not None:
                 # DPO (TRL): the reference forward under the same autocast; only its log-probs are kept.

@@ -114,7 +114,7 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     parts += [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
                   optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn, **technique)
-    parts += _technique_parts(wl)
+    parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
                 expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
 
@@ -339,6 +339,12 @@ _TINY = {
     "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "bos_token_id": 0, "eos_token_id": 0},
     "opt-125m": {"num_hidden_layers": 2, "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
                  "word_embed_proj_dim": 64, "vocab_size": 512},
+    # The other tasks (llmem_plugin.tasks): a sequence classifier and two seq2seq models.
+    "distilbert-sst2": {"n_layers": 2, "dim": 64, "hidden_dim": 128, "n_heads": 4, "vocab_size": 512},
+    "t5-base": {"num_layers": 2, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "vocab_size": 512},
+    "bart-base": {"num_hidden_layers": 2, "encoder_layers": 2, "decoder_layers": 2, "d_model": 64,
+                  "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "encoder_attention_heads": 4,
+                  "decoder_attention_heads": 4, "vocab_size": 512},
 }
 
 
@@ -355,6 +361,10 @@ CPU_CASES: list[Case] = [
     _cpu("mistral-7b", "bf16", 64, 1, gc=True, lora=LoraSpec(rank=4)),
     _cpu("gemma-2-2b", "bf16-mixed", 64, 1, attn="eager"),
     _cpu("phi-3-mini", "fp32", 32, 2, lora=LoraSpec(rank=4, target_modules=("qkv_proj", "o_proj"))),
+    _cpu("distilbert-sst2", "bf16-mixed", 64, 2),
+    _cpu("t5-base", "bf16-mixed", 64, 2, target_len=16),
+    _cpu("bart-base", "fp32", 32, 2, target_len=16, lora=LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))),
+    _cpu("bart-base", "fp32", 32, 2, target_len=16),
 ]
 
 

@@ -215,6 +215,7 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     import torch
 
     from llmem_plugin.step import make_optimizer
+    from llmem_plugin.tasks import make_labels
 
     model = rank.model
     optimizer = rank.optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
@@ -224,7 +225,7 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     for step in range(1, steps + 1):
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device="cuda", generator=gen)
-            labels = input_ids.clone()
+            labels = make_labels(model, input_ids, wl).to("cuda")  # the task's labels (llmem_plugin.tasks)
             ctx = torch.autocast("cuda", dtype=dtype) if dtype is not None else _null()
             with ctx:
                 loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / wl.grad_accum_steps

@@ -24,6 +24,10 @@ CPU_IDS = [
     "tiny-llama-3.2-1b-bf16-s64-b2-gc-sdpa-adamw-fused",
     "tiny-qwen2.5-0.5b-fp32-s64-b2-lora-sdpa",
     "tiny-gemma-2-2b-bf16-mixed-s64-b1-eager",
+    # The other tasks: labels [batch] (classifier), a 16-token target (seq2seq).
+    "tiny-distilbert-sst2-bf16-mixed-s64-b2-sdpa",
+    "tiny-t5-base-bf16-mixed-s64-b2-sdpa-t16",
+    "tiny-bart-base-fp32-s32-b2-lora-sdpa-t16",
 ]
 
 

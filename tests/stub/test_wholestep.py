@@ -27,6 +27,9 @@ CASES = (
     "tiny-gpt2-bf16-mixed-s64-b2-lora-eager",  # GPT-2 Conv1D (cuBLASLt addmm), LoRA, eager attention
     "tiny-opt-125m-fp32-s32-b2-ga2-sdpa",  # fp32, gradient accumulation 2
     "gpt2-fp32-s1024-b8-sdpa",  # full GPT-2 124M: segments of the large pool
+    "tiny-distilbert-sst2-bf16-mixed-s64-b2-sdpa",  # a sequence classifier: labels [batch]
+    "tiny-t5-base-bf16-mixed-s64-b2-sdpa-t16",  # seq2seq: a 16-token target under a 64-token source
+    "tiny-bart-base-fp32-s32-b2-sdpa-t16",  # BART; with LoRA the stub measures 4 KiB more (docs/models.md)
 )
 
 
