@@ -109,6 +109,7 @@ _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer 
 _LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
 _LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every token; 0 keeps all")
 _TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequence; longer than any model's context")
+_IMAGES = _int_arg("--images", 1, 64, "images per sample; beyond any vision-language recipe")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +118,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq "
                         "(default: the class the config's architectures names)")
+    p.add_argument("--images", type=_IMAGES, default=None,
+                   help="images per sample of a vision-language model (default 1)")
+    p.add_argument("--freeze-vision", action="store_true",
+                   help="keep a vision-language model's vision tower frozen")
     p.add_argument("--target-len", type=_TARGET_LEN, default=None,
                    help="target tokens per sequence of a seq2seq model (default: --seq-len)")
     p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
@@ -241,6 +246,8 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "reference_model": args.reference_model,
         "target_len": getattr(args, "target_len", None),
         "task": getattr(args, "task", None),
+        "images": getattr(args, "images", None),
+        "freeze_vision": getattr(args, "freeze_vision", False),
     }
 
 

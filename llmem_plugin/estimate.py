@@ -262,8 +262,15 @@ def _count_params(model: nn.Module) -> tuple[int, int]:
 
 
 def vocab_size_of(model: nn.Module) -> int:
-    emb = model.get_input_embeddings()
-    return int(emb.num_embeddings)
+    """Token ids are drawn below this: the input embedding's rows, or the text
+    vocabulary when the embedding has more (Mllama's holds 8 extra rows past
+    ``text_config.vocab_size``, MllamaTextModel, that the LM head has no logit
+    for)."""
+    rows = int(model.get_input_embeddings().num_embeddings)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    vocab = getattr(text, "vocab_size", None)
+    return min(rows, vocab) if isinstance(vocab, int) and vocab > 0 else rows
 
 
 def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, tracker: Any = None,
@@ -747,9 +754,9 @@ def estimate(
 
 def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
     from llmem_plugin.moe import routing_note
+    from llmem_plugin.tasks import image_note
 
-    note = routing_note(model_config, workload)
-    return (note,) if note else ()
+    return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload)) if n)
 
 
 def _thin(timeline: list[tuple[int, Phase, int]], n: int) -> list[tuple[int, Phase, int]]:

@@ -349,6 +349,11 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         from llmem_plugin.emulation.flash import check_model
 
         check_model(model)
+    if workload.freeze_vision:
+        # The vision tower (MllamaModel.vision_model) takes no gradient.
+        vision = getattr(getattr(model, "model", model), "vision_model", None)
+        assert vision is not None, "check_workload allows freeze_vision for vision-language models only"
+        vision.requires_grad_(False)
     if workload.quantize is not None:
         from llmem_plugin.quant import quantize_model
 
@@ -536,10 +541,12 @@ def fakeify(model: nn.Module, fake_mode) -> None:
 
 
 def num_layers(config) -> int:
-    """Number of transformer layers in ``config``."""
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
+    """Number of transformer layers in ``config`` (a composite vision-language
+    config's text model's)."""
+    for cfg in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if cfg is not None and getattr(cfg, key, None):
+                return int(getattr(cfg, key))
     raise ConfigError(f"config of type {type(config).__name__} names no layer count")
 
 

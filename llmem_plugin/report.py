@@ -96,15 +96,12 @@ def render_estimate(est: Estimate, console: Console) -> None:
 
 def render_models(rows: Sequence[dict], console: Console) -> None:
     """Print the catalog: one row per model with its exact parameter count."""
-    table = Table(title="bundled model catalog (configs only, no weights)", title_justify="left")
-    # Fits 80 columns: counts, names and tasks are never cut; the hub id gives
-    # way on a narrow terminal (the family is in --json).
-    for col, just in (("name", "left"), ("hub id", "left"), ("task", "left"), ("layers", "right"),
-                      ("params", "right")):
-        table.add_column(col, justify=just, no_wrap=True, min_width={"params": 14, "name": 15, "task": 9}.get(col),
-                         max_width=20 if col == "hub id" else None)
+    table = Table(title="bundled model catalog (configs only, no weights; Hub ids: --json)", title_justify="left")
+    # Fits 80 columns, nothing cut; the Hub ids and families are in --json.
+    for col, just in (("name", "left"), ("task", "left"), ("layers", "right"), ("params", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
     for r in rows:
-        table.add_row(r["name"], r["hub_id"], r["task"], str(r["num_layers"]), f"{r['params']:,}")
+        table.add_row(r["name"], r["task"], str(r["num_layers"]), f"{r['params']:,}")
     console.print(table)
 
 

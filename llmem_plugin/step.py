@@ -68,13 +68,14 @@ def _outputs_to_fp32(out):
     return type(out)(**converted)
 
 
-def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, workload: Workload):
+def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, workload: Workload,
+             extra: dict[str, torch.Tensor] | None = None):
     """The model's forward with its loss, as the workload computes it; returns
-    a mapping with ``"loss"``."""
+    a mapping with ``"loss"``. ``extra``: the task's other inputs (images)."""
     from llmem_plugin.workload import LossImpl
 
     if workload.loss is LossImpl.HF and not workload.logits_to_keep:
-        return model(input_ids=input_ids, labels=labels, use_cache=False)
+        return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
     from llmem_plugin.loss import forward_with_loss
 
     return forward_with_loss(model, input_ids, labels, workload)
@@ -241,7 +242,7 @@ def trace_step(
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
-    from llmem_plugin.tasks import make_labels
+    from llmem_plugin.tasks import extra_inputs, make_labels
 
     params = [p for p in model.parameters()]
     labels_for = model  # the task's labels, read before a wrapper hides the model's class
@@ -278,7 +279,8 @@ def trace_step(
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
                     labels = make_labels(labels_for, input_ids, workload)
-                    tracker.register([input_ids, labels], MemoryCategory.INPUT)
+                    extra = extra_inputs(labels_for, input_ids, workload)
+                    tracker.register([input_ids, labels, *extra.values()], MemoryCategory.INPUT)
                     hooks.begin_micro(it, mb)
                     tracker.set_phase(Phase.FORWARD)
                     start = tracker.num_records
@@ -288,7 +290,7 @@ def trace_step(
                     with offload_ctx():
                         if hf:
                             with autocast_region(autocast_dtype):
-                                out = _forward(model, input_ids, labels, workload)
+                                out = _forward(model, input_ids, labels, workload, extra)
                             if autocast_dtype is not None:
                                 out = _outputs_to_fp32(out)
                             loss = out["loss"]
@@ -296,7 +298,7 @@ def trace_step(
                             loss = loss / workload.grad_accum_steps
                         else:
                             with autocast_region(autocast_dtype):
-                                out = _forward(model, input_ids, labels, workload)
+                                out = _forward(model, input_ids, labels, workload, extra)
                                 loss = out["loss"] / workload.grad_accum_steps
                                 del out
                         # What the forward leaves alive is what backward needs.
@@ -308,7 +310,7 @@ def trace_step(
                             optimizer.zero_grad(set_to_none=True)
                         tracker.set_phase(Phase.BACKWARD)
                         loss.backward()
-                    del loss, input_ids, labels
+                    del loss, input_ids, labels, extra
                     if reference is not None:
                         del ref_out
                     tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)

@@ -13,6 +13,8 @@ say which task each class serves. Two tasks are modelled:
   ``problem_type`` rule has it);
 - ``token-cls``: a token classifier, labels ``[batch, seq_len]`` of
   ``num_labels`` classes;
+- ``image-text-to-text``: a vision-language model, for the model types
+  whose inputs are built here (Mllama: :func:`extra_inputs`);
 - ``seq2seq``: an encoder-decoder, source ids ``[batch, seq_len]`` and target
   labels ``[batch, target_len]``; the model makes its decoder inputs by
   shifting the labels right (``shift_tokens_right`` / ``_shift_right``), as
@@ -34,7 +36,7 @@ from torch import nn
 
 from llmem_plugin.errors import UnsupportedError
 
-__all__ = ["Task", "check_workload", "config_task", "make_labels", "model_task", "require_causal_lm"]
+__all__ = ["Task", "check_workload", "config_task", "extra_inputs", "image_note", "make_labels", "model_task", "require_causal_lm"]
 
 
 class Task(str, Enum):
@@ -42,21 +44,27 @@ class Task(str, Enum):
     SEQ_CLS = "seq-cls"
     TOKEN_CLS = "token-cls"
     SEQ2SEQ = "seq2seq"
+    IMAGE_TEXT = "image-text-to-text"
 
 
 _AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification",
-               Task.TOKEN_CLS: "AutoModelForTokenClassification", Task.SEQ2SEQ: "AutoModelForSeq2SeqLM"}
+               Task.TOKEN_CLS: "AutoModelForTokenClassification", Task.SEQ2SEQ: "AutoModelForSeq2SeqLM",
+               Task.IMAGE_TEXT: "AutoModelForImageTextToText"}
 # transformers' table of each modelled task's classes.
 _TABLE = {Task.CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
           Task.SEQ_CLS: "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
           Task.TOKEN_CLS: "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
           Task.SEQ2SEQ: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+# Vision-language classes whose step inputs extra_inputs builds; the other
+# image-text-to-text classes are refused.
+_IMAGE_TEXT_CLASSES = ("MllamaForConditionalGeneration",)
 
 # Tasks that take more than token ids (images, a separate target sequence) or
 # another head; checked before the causal-LM table, which also lists some
 # multimodal classes (Gemma3ForConditionalGeneration).
 _REFUSED = (
-    ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "a vision-language model (image-text-to-text)"),
+    ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+     f"a vision-language model (image-text-to-text) other than {', '.join(_IMAGE_TEXT_CLASSES)}"),
     ("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "a multimodal model"),
     ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a speech seq2seq model"),
 )
@@ -86,6 +94,8 @@ def auto_class(task: Task) -> Any:
 def _classify(name: str) -> Task | str | None:
     """The modelled task of class ``name``, what it is when it is not modelled,
     or None when transformers' tables do not list it."""
+    if name in _IMAGE_TEXT_CLASSES:
+        return Task.IMAGE_TEXT
     what = next((w for table, w in _REFUSED if name in _classes(table)), None)
     if what is not None:
         return what
@@ -136,6 +146,10 @@ def config_task(config: Any, override: Task | str | None = None) -> Task:
         if type(config) not in auto_class(task)._model_mapping:
             raise ConfigError(f"model type {getattr(config, 'model_type', '?')!r} has no {task.value} class in "
                               f"transformers ({_AUTO_CLASS[task]}). HINT: pass another --task, or drop it")
+        if task is Task.IMAGE_TEXT:
+            name = auto_class(task)._model_mapping[type(config)].__name__
+            if name not in _IMAGE_TEXT_CLASSES:
+                raise _refuse(name, _classify(name) if isinstance(_classify(name), str) else None)
         return task
     archs = getattr(config, "architectures", None)
     name = archs[0] if isinstance(archs, (list, tuple)) and archs and isinstance(archs[0], str) else None
@@ -187,7 +201,7 @@ def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> tor
     in ``*ForSequenceClassification.forward``); target token ids of
     ``workload.target_len`` (seq2seq)."""
     task = model_task(model)
-    if task is Task.CAUSAL_LM:
+    if task in (Task.CAUSAL_LM, Task.IMAGE_TEXT):  # a vision-language model's text is a causal LM's
         return input_ids.clone()
     b = input_ids.shape[0]
     if task is Task.TOKEN_CLS:
@@ -203,6 +217,49 @@ def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> tor
     if num_labels == 1:
         return torch.zeros(b, dtype=torch.float32)
     return torch.zeros(b, dtype=torch.long)
+
+
+def extra_inputs(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> dict[str, torch.Tensor]:
+    """The inputs besides ``input_ids`` and ``labels`` a batch of ``model``'s task carries.
+
+    Mllama (``MllamaProcessor``, transformers/models/mllama/processing_mllama.py
+    and image_processing_mllama.py): each image is resized into up to
+    ``max_num_tiles`` tiles of ``image_size`` pixels square; the batch holds
+    ``pixel_values`` ``[batch, images, tiles, 3, size, size]`` (float32, as
+    the image processor returns them), ``aspect_ratio_ids`` ``[batch,
+    images]``, ``aspect_ratio_mask`` ``[batch, images, tiles]`` and
+    ``cross_attention_mask`` ``[batch, seq_len, images, tiles]`` (int64).
+    Every image is taken at ``max_num_tiles`` tiles, the most the processor
+    makes (an image whose aspect ratio uses them all): the worst case.
+    Other tasks carry nothing more.
+    """
+    if model_task(model) is not Task.IMAGE_TEXT:
+        return {}
+    vision = model.config.vision_config
+    b, s = input_ids.shape
+    images = workload.images or 1
+    tiles, size = int(vision.max_num_tiles), int(vision.image_size)
+    return {
+        "pixel_values": torch.zeros(b, images, tiles, 3, size, size, dtype=torch.float32),
+        "aspect_ratio_ids": torch.ones(b, images, dtype=torch.long),
+        "aspect_ratio_mask": torch.ones(b, images, tiles, dtype=torch.long),
+        "cross_attention_mask": torch.ones(b, s, images, tiles, dtype=torch.long),
+    }
+
+
+def image_note(config: Any, workload: Any) -> str | None:
+    """One line on the images a vision-language estimate assumes (None for other models)."""
+    vision = getattr(config, "vision_config", None)
+    try:
+        if vision is None or config_task(config, workload.task) is not Task.IMAGE_TEXT:
+            return None
+    except Exception:  # noqa: BLE001 - not a modelled class: no note
+        return None
+    images = workload.images or 1
+    tower = "frozen" if workload.freeze_vision else "trained"
+    return (f"vision-language: {images} image{'s' * (images > 1)} per sample, each at the image processor's most "
+            f"tiles ({vision.max_num_tiles} of {vision.image_size}x{vision.image_size} px: the worst case); "
+            f"vision tower {tower}")
 
 
 def check_workload(task: Task, workload: Any) -> None:
@@ -221,6 +278,9 @@ def check_workload(task: Task, workload: Any) -> None:
         if workload.reference_model:
             raise ConfigError(f"a reference model (DPO) is modelled for causal LMs; this is a {task.value} model. "
                               "HINT: drop --reference-model")
+    if task is not Task.IMAGE_TEXT and (workload.images is not None or workload.freeze_vision):
+        raise ConfigError(f"--images / --freeze-vision are options of vision-language models; this is a "
+                          f"{task.value} model. HINT: drop them")
     if task is not Task.SEQ2SEQ and workload.target_len is not None:
         raise ConfigError(f"--target-len is the target length of seq2seq models; this is a {task.value} model. "
                           "HINT: drop --target-len (--seq-len is its sequence length)")

@@ -325,6 +325,9 @@ class Workload:
         task: What the model is trained for (:class:`llmem_plugin.tasks.Task`:
             ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``); None:
             the class the config's ``architectures`` names.
+        images: Images per sample of a vision-language model (None: 1).
+        freeze_vision: Keep a vision-language model's vision tower frozen
+            (no gradients or optimizer states for it).
     """
 
     seq_len: int = 2048
@@ -345,6 +348,8 @@ class Workload:
     reference_model: bool = False
     target_len: int | None = None
     task: str | None = None
+    images: int | None = None
+    freeze_vision: bool = False
 
     def __post_init__(self) -> None:
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
@@ -352,6 +357,10 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}. HINT: pass {flag} N with N >= 1")
+        if self.images is not None and (
+                isinstance(self.images, bool) or not isinstance(self.images, int) or self.images <= 0):
+            raise ConfigError(f"images must be a positive integer, got {self.images!r}. "
+                              "HINT: pass --images N with N >= 1 (vision-language models only)")
         if self.target_len is not None and (
                 isinstance(self.target_len, bool) or not isinstance(self.target_len, int) or self.target_len <= 0):
             raise ConfigError(f"target_len must be a positive integer, got {self.target_len!r}. "
@@ -417,4 +426,6 @@ class Workload:
             "reference_model": self.reference_model,
             "target_len": self.target_len,
             "task": self.task,
+            "images": self.images,
+            "freeze_vision": self.freeze_vision,
         }

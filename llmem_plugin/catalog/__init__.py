@@ -271,7 +271,12 @@ def count_parameters(config: transformers.PretrainedConfig) -> tuple[int, int]:
             f"{transformers.__version__}: {str(e).splitlines()[0]} "
             "HINT: pass a decoder-only (causal LM) config"
         ) from e
-    num_layers = getattr(config, "num_hidden_layers", None)
+    from llmem_plugin.modelbuild import num_layers as layers_of
+
+    try:
+        num_layers = layers_of(config)  # a vision-language config's text model's
+    except ConfigError:
+        num_layers = None
     if not isinstance(num_layers, int):
         raise ConfigError(
             f"config of model_type {config.model_type!r} has no integer num_hidden_layers "

@@ -43,9 +43,11 @@ EXPECTED_NAMES = {
     "t5-base",
     "bart-base",
     "distilbert-sst2",
+    "llama-3.2-11b-vision",
 }
 # The task each entry's architectures names (llmem_plugin.tasks); the rest are causal LMs.
-TASKS = {"t5-base": "seq2seq", "bart-base": "seq2seq", "distilbert-sst2": "seq-cls"}
+TASKS = {"t5-base": "seq2seq", "bart-base": "seq2seq", "distilbert-sst2": "seq-cls",
+         "llama-3.2-11b-vision": "image-text-to-text"}
 
 # Keys that are tokenizer, checkpoint or library metadata, not architecture.
 _NON_ARCHITECTURE_KEYS = {"_name_or_path", "auto_map", "transformers_version", "tokenizer_class"}
@@ -71,7 +73,7 @@ def test_config_holds_architecture_facts_only(name: str) -> None:
     assert isinstance(cfg["model_type"], str)
     assert len(cfg["architectures"]) == 1
     assert config_task(catalog.load_config(name)).value == TASKS.get(name, "causal-lm")
-    assert cfg["vocab_size"] > 0
+    assert cfg.get("text_config", cfg)["vocab_size"] > 0  # a vision-language config nests its text model
     assert not _NON_ARCHITECTURE_KEYS & cfg.keys()
 
 
@@ -82,7 +84,8 @@ def test_meta_build_matches_published_params(name: str) -> None:
     assert type(config).__name__ != "PretrainedConfig"  # a model-specific class
     num_params, num_layers = catalog.count_parameters(config)
     raw = catalog.config_dict(name)
-    assert num_layers == next(raw[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in raw)
+    text = raw.get("text_config", raw)
+    assert num_layers == next(text[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in text)
     published = catalog.entry(name).published_params
     if published is not None:
         # If this fails, fix the config.json, never the published number.

@@ -111,6 +111,58 @@ def test_shorter_targets_need_less():
     assert short < long
 
 
+def _mllama():
+    # Llama 3.2 Vision's structure at tiny size: cross-attention layers 1 and 3,
+    # 4 tiles of 56 px (4 x 4 patches), vision output = hidden x (intermediate layers + 1).
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, cross_attention_layers=[1, 3], max_position_embeddings=1024, pad_token_id=0,
+                eos_token_id=1, bos_token_id=2,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                  image_size=56, patch_size=14, max_num_tiles=4, vision_output_dim=96, intermediate_layers_indices=[0, 1],
+                  supported_aspect_ratios=[[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]])
+    return transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=500,
+                                      architectures=["MllamaForConditionalGeneration"])
+
+
+MLLAMA_WORKLOADS = {
+    "bf16-mixed": Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed"),
+    "two-images-frozen-tower": Workload(seq_len=32, micro_batch_size=1, precision="bf16", images=2, freeze_vision=True),
+    "lora-fp32": Workload(seq_len=32, micro_batch_size=2, precision="fp32", lora=LoraSpec(rank=4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLLAMA_WORKLOADS))
+def test_mllama_is_estimated_with_its_images_and_fake_equals_real(name):
+    from llmem_plugin.estimate import vocab_size_of
+
+    cfg, wl = _mllama(), MLLAMA_WORKLOADS[name]
+    est = llmem_plugin.estimate(cfg, wl)
+    real_model = transformers.MllamaForConditionalGeneration(cfg)
+    assert est.model_class == "MllamaForConditionalGeneration"
+    if wl.lora is None:
+        assert est.params == sum(p.numel() for p in real_model.parameters())
+    if wl.freeze_vision:
+        vision = sum(p.numel() for p in real_model.model.vision_model.parameters())
+        assert est.trainable_params == est.params - vision
+    assert any(n.startswith(f"vision-language: {wl.images or 1} image") for n in est.notes)
+    fake_model = modelbuild.build_model(cfg, wl, device="meta")
+    mode = FakeTensorMode()
+    modelbuild.fakeify(fake_model, mode)
+    fake = trace_step(fake_model, wl, vocab_size=vocab_size_of(fake_model), fake_mode=mode)
+    torch.manual_seed(0)
+    real_built = modelbuild.build_model(cfg, wl, device="cpu")
+    real = trace_step(real_built, wl, vocab_size=vocab_size_of(real_built))
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_more_images_need_more():
+    one, two = (llmem_plugin.estimate(_mllama(), seq_len=32, images=n).peak_tensor_bytes for n in (1, 2))
+    assert two > one
+
+
 REFUSED = {
     "gemma3-multimodal": (lambda: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]),
                           "vision-language"),
@@ -144,6 +196,8 @@ def test_target_len_is_for_seq2seq_only(capsys):
         llmem_plugin.estimate(CLASSIFIERS["llama"](), seq_len=16, target_len=8)
     with pytest.raises(llmem_plugin.ConfigError, match="target_len must be a positive integer"):
         Workload(target_len=0)
+    with pytest.raises(llmem_plugin.ConfigError, match="--images / --freeze-vision"):
+        llmem_plugin.estimate(CLASSIFIERS["llama"](), seq_len=16, images=2)
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "16", "--target-len", "8")
     assert code == 2 and "seq2seq" in err
 
