@@ -116,8 +116,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
     p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--task", default=None,
-                   help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq "
-                        "(default: the class the config's architectures names)")
+                   help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
+                        "image-text-to-text, masked-lm (default: the class the config's architectures names; "
+                        "docs/models.md)")
     p.add_argument("--images", type=_IMAGES, default=None,
                    help="images per sample of a vision-language model (default 1)")
     p.add_argument("--freeze-vision", action="store_true",

@@ -320,6 +320,12 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         config.use_cache = False
         task = config_task(config, workload.task)
         check_workload(task, workload)
+        if task is Task.MASKED_LM and _safe_getattr(config, "sparse_prediction") is True:
+            # ModernBertForMaskedLM.forward: with sparse_prediction the head runs on the masked positions
+            # only (boolean indexing): its size follows the masking, which the config does not give.
+            raise UnsupportedError("sparse_prediction=True computes the masked-LM head on the masked tokens only, "
+                                   "a data-dependent share that is not modelled. HINT: estimate with "
+                                   "sparse_prediction false in the config (an upper bound: every token's logits)")
         if task is Task.SEQ_CLS and getattr(config, "pad_token_id", None) is None:
             # A decoder classifier scores the last non-padding token and refuses
             # batches above 1 without a pad id (LlamaForSequenceClassification.
@@ -466,8 +472,9 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         target_modules=targets,
         # peft's task types: SEQ_CLS and TOKEN_CLS also train the new
         # classification head (their peft models add it to modules_to_save).
-        task_type={Task.SEQ_CLS: "SEQ_CLS", Task.TOKEN_CLS: "TOKEN_CLS", Task.SEQ2SEQ: "SEQ_2_SEQ_LM"}.get(
-            model_task(model), "CAUSAL_LM"),
+        # (peft has no masked-LM task type: the plain PeftModel.)
+        task_type={Task.SEQ_CLS: "SEQ_CLS", Task.TOKEN_CLS: "TOKEN_CLS", Task.SEQ2SEQ: "SEQ_2_SEQ_LM",
+                   Task.MASKED_LM: None}.get(model_task(model), "CAUSAL_LM"),
     )
     from llmem_plugin.quant import lora_custom_modules
 

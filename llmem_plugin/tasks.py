@@ -13,6 +13,9 @@ say which task each class serves. Two tasks are modelled:
   ``problem_type`` rule has it);
 - ``token-cls``: a token classifier, labels ``[batch, seq_len]`` of
   ``num_labels`` classes;
+- ``masked-lm``: an encoder's masked-LM fine-tuning, labels ``[batch,
+  seq_len]`` (a collator sets the unmasked positions to -100; the logits and
+  the loss are computed over every position either way);
 - ``image-text-to-text``: a vision-language model, for the model types
   whose inputs are built here (Mllama: :func:`extra_inputs`);
 - ``seq2seq``: an encoder-decoder, source ids ``[batch, seq_len]`` and target
@@ -45,16 +48,19 @@ class Task(str, Enum):
     TOKEN_CLS = "token-cls"
     SEQ2SEQ = "seq2seq"
     IMAGE_TEXT = "image-text-to-text"
+    MASKED_LM = "masked-lm"
 
 
 _AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification",
                Task.TOKEN_CLS: "AutoModelForTokenClassification", Task.SEQ2SEQ: "AutoModelForSeq2SeqLM",
-               Task.IMAGE_TEXT: "AutoModelForImageTextToText"}
+               Task.IMAGE_TEXT: "AutoModelForImageTextToText", Task.MASKED_LM: "AutoModelForMaskedLM"}
 # transformers' table of each modelled task's classes.
 _TABLE = {Task.CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
           Task.SEQ_CLS: "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
           Task.TOKEN_CLS: "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-          Task.SEQ2SEQ: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+          Task.SEQ2SEQ: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+          # After seq2seq: the masked-LM table also lists BartForConditionalGeneration.
+          Task.MASKED_LM: "MODEL_FOR_MASKED_LM_MAPPING_NAMES"}
 # Vision-language classes whose step inputs extra_inputs builds; the other
 # image-text-to-text classes are refused.
 _IMAGE_TEXT_CLASSES = ("MllamaForConditionalGeneration",)
@@ -69,7 +75,6 @@ _REFUSED = (
     ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a speech seq2seq model"),
 )
 _OTHER = (
-    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "a masked-LM encoder"),
     ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "a question-answering model"),
     ("MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "a multiple-choice model"),
     ("MODEL_FOR_PRETRAINING_MAPPING_NAMES", "a pretraining head"),
@@ -162,8 +167,8 @@ def config_task(config: Any, override: Task | str | None = None) -> Task:
         raise UnsupportedError(
             f"the config names no head ({name or 'no architectures'}) and model type "
             f"{getattr(config, 'model_type', '?')!r} is an encoder: the head the job trains decides the step. "
-            "HINT: pass --task seq-cls or --task token-cls (task= in the API), or a config whose architectures "
-            "names the class")
+            "HINT: pass --task masked-lm, seq-cls or token-cls (task= in the API), or a config whose "
+            "architectures names the class")
     task = _classify(name)
     if isinstance(task, Task):
         return task
@@ -201,7 +206,7 @@ def make_labels(model: nn.Module, input_ids: torch.Tensor, workload: Any) -> tor
     in ``*ForSequenceClassification.forward``); target token ids of
     ``workload.target_len`` (seq2seq)."""
     task = model_task(model)
-    if task in (Task.CAUSAL_LM, Task.IMAGE_TEXT):  # a vision-language model's text is a causal LM's
+    if task in (Task.CAUSAL_LM, Task.IMAGE_TEXT, Task.MASKED_LM):  # shapes as the token ids'
         return input_ids.clone()
     b = input_ids.shape[0]
     if task is Task.TOKEN_CLS:

@@ -323,8 +323,9 @@ class Workload:
             (seq2seq) model, whose ``seq_len`` is the source length; None:
             ``seq_len``. Other models have no target sequence.
         task: What the model is trained for (:class:`llmem_plugin.tasks.Task`:
-            ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``); None:
-            the class the config's ``architectures`` names.
+            ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``,
+            ``image-text-to-text``, ``masked-lm``); None: the class the
+            config's ``architectures`` names.
         images: Images per sample of a vision-language model (None: 1).
         freeze_vision: Keep a vision-language model's vision tower frozen
             (no gradients or optimizer states for it).

@@ -28,6 +28,11 @@ CLASSIFIERS = {
                                               architectures=["LlamaForSequenceClassification"]),
     "llama-regression": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2, num_labels=1,
                                                          architectures=["LlamaForSequenceClassification"]),
+    "bert-masked-lm": lambda: transformers.BertConfig(**SMALL, architectures=["BertForMaskedLM"]),
+    "modernbert-masked-lm": lambda: transformers.ModernBertConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        architectures=["ModernBertForMaskedLM"]),
     "bert-token-cls": lambda: transformers.BertConfig(**SMALL, num_labels=5,
                                                       architectures=["BertForTokenClassification"]),
     "llama-token-cls": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2,
@@ -37,9 +42,10 @@ CLASSIFIERS = {
 
 @pytest.mark.parametrize("name", sorted(CLASSIFIERS))
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_classifier_is_estimated_as_its_class_and_fake_equals_real(name, lora):
+def test_encoder_and_classifier_tasks_are_their_class_and_fake_equals_real(name, lora):
     cfg = CLASSIFIERS[name]()
-    targets = ("query", "value") if name.startswith(("bert", "roberta")) else ("q_proj", "v_proj")
+    targets = {"bert": ("query", "value"), "roberta": ("query", "value"), "modernbert": ("Wqkv",)}.get(
+        name.split("-")[0], ("q_proj", "v_proj"))
     wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed",
                   lora=LoraSpec(rank=4, target_modules=targets) if lora else None)
     real_class = getattr(transformers, cfg.architectures[0])
@@ -48,8 +54,9 @@ def test_classifier_is_estimated_as_its_class_and_fake_equals_real(name, lora):
     if not lora:  # peft keeps the head and a trainable copy of it (modules_to_save)
         assert est.params == sum(p.numel() for p in real_class(cfg).parameters())
     else:
-        head = next(m for n, m in real_class(cfg).named_modules() if n in ("score", "classifier"))
-        assert est.trainable_params > sum(p.numel() for p in head.parameters())  # the head trains too
+        heads = [m for n, m in real_class(cfg).named_modules() if n in ("score", "classifier")]
+        for head in heads:  # a classifier's new head trains too (peft modules_to_save)
+            assert est.trainable_params > sum(p.numel() for p in head.parameters())
     fake_model = modelbuild.build_model(cfg, wl, device="meta")
     mode = FakeTensorMode()
     modelbuild.fakeify(fake_model, mode)
@@ -167,7 +174,8 @@ REFUSED = {
     "gemma3-multimodal": (lambda: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]),
                           "vision-language"),
     "llava": (lambda: transformers.LlavaConfig(architectures=["LlavaForConditionalGeneration"]), "vision-language"),
-    "modernbert-mlm": (lambda: transformers.ModernBertConfig(architectures=["ModernBertForMaskedLM"]), "masked-LM"),
+    "bert-question-answering": (lambda: transformers.BertConfig(**SMALL, architectures=["BertForQuestionAnswering"]),
+                                "question-answering"),
     "unknown-class": (lambda: transformers.LlamaConfig(**SMALL, architectures=["MyLlamaRewardHead"]), "MyLlamaRewardHead"),
 }
 
@@ -227,13 +235,13 @@ def test_task_overrides_the_config_class(capsys, tmp_path):
     assert est.params == sum(p.numel() for p in transformers.LlamaForSequenceClassification(cfg).parameters())
     with pytest.raises(llmem_plugin.ConfigError, match="has no seq2seq class"):
         llmem_plugin.estimate(cfg, seq_len=16, task="seq2seq")
-    with pytest.raises(llmem_plugin.ConfigError, match="valid: causal-lm, seq-cls, token-cls, seq2seq"):
+    with pytest.raises(llmem_plugin.ConfigError, match="valid: causal-lm, seq-cls, token-cls, seq2seq, image-text"):
         Workload(task="classification")
     # An encoder's config that names no head: the head decides the step.
     bert = tmp_path / "bert.json"
     transformers.BertConfig(**SMALL, architectures=["BertModel"]).to_json_file(bert)
     code, _, err = run(capsys, "estimate", "--model", str(bert), "--seq-len", "16")
-    assert code == 2 and "--task seq-cls" in err
+    assert code == 2 and "--task masked-lm, seq-cls or token-cls" in err
     code, out, err = run(capsys, "estimate", "--model", str(bert), "--seq-len", "16", "--task", "token-cls")
     assert code == 0 and "BertForTokenClassification" in out
 
@@ -248,6 +256,13 @@ def test_bare_and_old_class_names_take_the_model_types_language_model():
     assert llmem_plugin.estimate(t5, seq_len=16).model_class == "T5ForConditionalGeneration"
     llama = transformers.LlamaConfig(**SMALL, architectures=["LlamaModel"])
     assert llmem_plugin.estimate(llama, seq_len=16).model_class == "LlamaForCausalLM"
+
+
+def test_sparse_masked_lm_prediction_is_refused():
+    cfg = CLASSIFIERS["modernbert-masked-lm"]()
+    cfg.sparse_prediction = True
+    with pytest.raises(UnsupportedError, match="sparse_prediction"):
+        llmem_plugin.estimate(cfg, seq_len=16)
 
 
 def test_causal_lms_keep_their_class():
