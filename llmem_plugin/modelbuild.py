@@ -299,7 +299,6 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     Raises:
         ConfigError: Bad source, LoRA targets that match nothing.
     """
-    import transformers
 
     _quiet_transformers()
     from llmem_plugin.tasks import check_workload, model_task

@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from llmem_plugin import modelbuild
 from llmem_plugin.actoffload import offload_context, unsupported
 from llmem_plugin.cli import main
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.step import trace_step
+
+from .test_fake_equals_real import fake_and_real
 from llmem_plugin.techniques import check_supported
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, round_allocation
 from llmem_plugin.workload import ActivationOffload, Workload
@@ -95,14 +94,7 @@ def test_streamed_keeps_parameters_small_tensors_and_the_head_on_the_device(mid)
 
 
 def _fake_and_real(wl: Workload):
-    cfg = tiny_config("llama")
-    fake_model = modelbuild.build_model(cfg, wl, device="meta")
-    fake_mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, fake_mode)
-    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=fake_mode)
-    torch.manual_seed(0)
-    real = trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
-    return fake, real
+    return fake_and_real(tiny_config("llama"), wl)
 
 
 @pytest.mark.parametrize("gc", [False, True], ids=["plain", "checkpointed"])

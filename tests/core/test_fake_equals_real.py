@@ -12,6 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmem_plugin import modelbuild
+from llmem_plugin.estimate import vocab_size_of
 from llmem_plugin.step import trace_step
 from llmem_plugin.workload import LoraSpec, Workload
 
@@ -19,13 +20,14 @@ from ..conftest import tiny_config
 
 
 def fake_and_real(cfg, wl: Workload):
+    """The step traced on fake tensors and run for real on the CPU, both by the tracker."""
     fake_model = modelbuild.build_model(cfg, wl, device="meta")
     fake_mode = FakeTensorMode()
     modelbuild.fakeify(fake_model, fake_mode)
-    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=fake_mode)
+    fake = trace_step(fake_model, wl, vocab_size=vocab_size_of(fake_model), fake_mode=fake_mode)
     torch.manual_seed(0)
     real_model = modelbuild.build_model(cfg, wl, device="cpu")
-    real = trace_step(real_model, wl, vocab_size=cfg.vocab_size)
+    real = trace_step(real_model, wl, vocab_size=vocab_size_of(real_model))
     return fake, real
 
 

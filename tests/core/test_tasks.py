@@ -5,18 +5,15 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 import transformers
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import llmem_plugin
-from llmem_plugin import modelbuild
 from llmem_plugin.errors import UnsupportedError
-from llmem_plugin.step import trace_step
 from llmem_plugin.tracker import round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..cli._run import run
+from .test_fake_equals_real import fake_and_real
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
@@ -57,14 +54,9 @@ def test_encoder_and_classifier_tasks_are_their_class_and_fake_equals_real(name,
         heads = [m for n, m in real_class(cfg).named_modules() if n in ("score", "classifier")]
         for head in heads:  # a classifier's new head trains too (peft modules_to_save)
             assert est.trainable_params > sum(p.numel() for p in head.parameters())
-    fake_model = modelbuild.build_model(cfg, wl, device="meta")
-    mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, mode)
-    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=mode)
-    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "Expected input batch_size ... to match target batch_size"
-        real = trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
+        fake, real = fake_and_real(cfg, wl)
     assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
 
@@ -97,12 +89,7 @@ def test_seq2seq_is_estimated_as_its_class_and_fake_equals_real(name, target_len
     est = llmem_plugin.estimate(cfg, wl)
     assert est.model_class == real_class.__name__
     assert est.params == sum(p.numel() for p in real_class(cfg).parameters())
-    fake_model = modelbuild.build_model(cfg, wl, device="meta")
-    mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, mode)
-    fake = trace_step(fake_model, wl, vocab_size=cfg.vocab_size, fake_mode=mode)
-    torch.manual_seed(0)
-    real = trace_step(modelbuild.build_model(cfg, wl, device="cpu"), wl, vocab_size=cfg.vocab_size)
+    fake, real = fake_and_real(cfg, wl)
     assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
     # The labels (int64) and so the decoder's inputs and logits follow target_len.
@@ -142,8 +129,6 @@ MLLAMA_WORKLOADS = {
 
 @pytest.mark.parametrize("name", sorted(MLLAMA_WORKLOADS))
 def test_mllama_is_estimated_with_its_images_and_fake_equals_real(name):
-    from llmem_plugin.estimate import vocab_size_of
-
     cfg, wl = _mllama(), MLLAMA_WORKLOADS[name]
     est = llmem_plugin.estimate(cfg, wl)
     real_model = transformers.MllamaForConditionalGeneration(cfg)
@@ -154,13 +139,7 @@ def test_mllama_is_estimated_with_its_images_and_fake_equals_real(name):
         vision = sum(p.numel() for p in real_model.model.vision_model.parameters())
         assert est.trainable_params == est.params - vision
     assert any(n.startswith(f"vision-language: {wl.images or 1} image") for n in est.notes)
-    fake_model = modelbuild.build_model(cfg, wl, device="meta")
-    mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, mode)
-    fake = trace_step(fake_model, wl, vocab_size=vocab_size_of(fake_model), fake_mode=mode)
-    torch.manual_seed(0)
-    real_built = modelbuild.build_model(cfg, wl, device="cpu")
-    real = trace_step(real_built, wl, vocab_size=vocab_size_of(real_built))
+    fake, real = fake_and_real(cfg, wl)
     assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
 
