@@ -391,6 +391,12 @@ def _cmd_methods(args: argparse.Namespace) -> int:
                           f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
     _choose_precision(args)
     gpu, wl = _gpu(args), _workload(args)
+    if args.method != "single":
+        from llmem_plugin.tasks import require_causal_lm
+
+        # Said once for the command, not as every method's skip reason.
+        require_causal_lm(args.model, f"--method {args.method}" if args.method != "all" else f"--gpus {num_gpus}",
+                          wl.task)
     from llmem_plugin.host import resolve_host_memory
 
     host = resolve_host_memory(args.host_memory, gpu=gpu, gpus_per_node=layout.gpus_per_node)

@@ -42,7 +42,7 @@ _BAD_FLOATS = ["nan", "NaN", "inf", "-inf", "Infinity", "-1", "abc", "1e309", ""
 def _int_cases():
     cases = []
     for flag in ("--seq-len", "--batch-size", "--grad-accum", "--loss-chunks", "--lora-rank", "--gpus", "--nodes",
-                 "--tp"):
+                 "--tp", "--target-len", "--images"):
         for v in _BAD_INTS:
             cases.append(_case([*E, flag, v], expect=flag))
     for v in [v for v in _BAD_INTS if v != "0"]:
@@ -238,6 +238,17 @@ def _contradiction_cases():
         _case([*E, "--lora-rank", "4", "--lora-targets", "layers"], expect="ModuleList"),
         _case([*E, "--logits-to-keep", "100"], expect="logits_to_keep"),
         _case([*E, "--sequence-parallel"], expect="--sequence-parallel"),
+        # Tasks (llmem_plugin.tasks): a bad name, a task the model type has no class for, options of another task.
+        _case([*E, "--task", "classification"], expect="classification"),
+        _case([*E, "--task", ""], expect="task"),
+        _case([*E, "--task", "seq2seq"], expect="seq2seq"),
+        _case([*E, "--task", "image-text-to-text"], expect="image-text-to-text"),
+        _case([*E, "--target-len", "8"], expect="--target-len"),
+        _case([*E, "--images", "2"], expect="--images"),
+        _case([*E, "--freeze-vision"], expect="--freeze-vision"),
+        _case([*E, "--task", "seq-cls", "--reference-model"], expect="reference"),
+        _case([*E, "--task", "seq-cls", "--gpus", "2"], expect="one GPU only"),
+        _case(["plan", "--model", "distilbert-sst2", "--gpus", "2", "--gpu", "h100-sxm"], expect="one GPU only"),
         _case([*E, "--plot", "x.png", "--fast", "--method", "ddp"], expect="--plot"),
         _case([*E, "--plot", "x.png", "--gpus", "2"], expect="--plot"),
         _case([*E, "--plot", "/nonexistent_dir/x.png"], expect="/nonexistent_dir"),
