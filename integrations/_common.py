@@ -215,6 +215,21 @@ def target_len(live: "LiveModel", batch: Any) -> int | None:
     return int(labels.shape[1]) if isinstance(labels, torch.Tensor) and labels.dim() == 2 else None
 
 
+def images_per_sample(live: "LiveModel", batch: Any) -> int | None:
+    """Images per sample of a vision-language model's batch (``pixel_values``
+    ``[batch, images, tiles, 3, H, W]``, Mllama's processor); None for other
+    models or a batch without images."""
+    from llmem_plugin.tasks import Task, model_task
+
+    try:
+        if model_task(live.module) is not Task.IMAGE_TEXT:
+            return None
+    except Exception:  # noqa: BLE001 - a class that is not modelled: the check says so
+        return None
+    pixels = batch.get("pixel_values") if hasattr(batch, "get") else None
+    return int(pixels.shape[1]) if isinstance(pixels, torch.Tensor) and pixels.dim() == 6 else None
+
+
 def precision_of(param_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> Precision:
     """The workload precision of parameters in ``param_dtype`` under a trainer's
     bf16/fp16 switches (autocast over fp32 weights is mixed; bf16 weights are

@@ -125,7 +125,8 @@ def job_of(args: Any) -> Job:
     return Job("ddp" if world > 1 else "single", world, nodes, {})
 
 
-def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None) -> Workload:
+def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None,
+              images: int | None = None) -> Workload:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _OPTIM:
         raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
@@ -136,7 +137,7 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=bool(args.gradient_checkpointing),
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
-                    target_len=target_len)
+                    target_len=target_len, images=images)
 
 
 def _unpartitioned(live: _common.LiveModel, wl: Workload) -> tuple[_common.LiveModel, Workload]:
@@ -295,7 +296,8 @@ class LLMemCallback(TrainerCallback):
         seq_len = self.seq_len or dims[1]
         try:
             job = job_of(self._args)
-            wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in))
+            wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in),
+                           _common.images_per_sample(live, kwargs_in))
             source, wl = _unpartitioned(live, wl)
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,
