@@ -163,7 +163,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
     """
     import torch
 
-    from llmem_plugin.tasks import make_labels
+    from llmem_plugin.tasks import extra_inputs, make_labels
 
     wl = case.workload
     optimizer = techniques.make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
@@ -177,6 +177,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device=device, generator=gen)
             labels = make_labels(model, input_ids, wl).to(device)  # the task's labels (llmem_plugin.tasks)
+            extra = {k: v.to(device) for k, v in extra_inputs(model, input_ids, wl).items()}
             ref_logps = None
             if reference is not None:
                 # DPO (TRL): the reference forward under the same autocast; only its log-probs are kept.
@@ -185,9 +186,9 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
             with offload():
                 # As HF Trainer's compute_loss: forward and loss under autocast, backward outside.
                 with _autocast(dtype, device):
-                    loss = techniques.forward_loss(model, input_ids, labels, wl) / wl.grad_accum_steps
+                    loss = techniques.forward_loss(model, input_ids, labels, wl, extra) / wl.grad_accum_steps
                 loss.backward()
-            del loss, input_ids, labels, ref_logps
+            del loss, input_ids, labels, ref_logps, extra
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rec.record(step)

@@ -115,6 +115,7 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
                   optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn, **technique)
     parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
+    parts += [f"img{wl.images}"] * (wl.images is not None) + ["frozen-vision"] * wl.freeze_vision
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
                 expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
 
@@ -342,6 +343,20 @@ _TINY = {
     # The other tasks (llmem_plugin.tasks): a sequence classifier and two seq2seq models.
     "distilbert-sst2": {"n_layers": 2, "dim": 64, "hidden_dim": 128, "n_heads": 4, "vocab_size": 512},
     "t5-base": {"num_layers": 2, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "vocab_size": 512},
+    # Llama 3.2 Vision's structure (as tests/core/test_tasks.py's tiny Mllama): 4 tiles of 56 px.
+    "llama-3.2-11b-vision": {
+        "image_token_index": 500,
+        "text_config": {"model_type": "mllama_text_model", **_tiny(head_dim=16), "num_hidden_layers": 4,
+                        "cross_attention_layers": [1, 3], "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
+                        "max_position_embeddings": 1024,
+                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+        "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_global_layers": 1, "attention_heads": 2, "image_size": 56,
+                          "patch_size": 14, "max_num_tiles": 4, "vision_output_dim": 96,
+                          "intermediate_layers_indices": [0, 1],
+                          "supported_aspect_ratios": [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1], [4, 1]]},
+    },
     "bart-base": {"num_hidden_layers": 2, "encoder_layers": 2, "decoder_layers": 2, "d_model": 64,
                   "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "encoder_attention_heads": 4,
                   "decoder_attention_heads": 4, "vocab_size": 512},
@@ -365,6 +380,11 @@ CPU_CASES: list[Case] = [
     _cpu("t5-base", "bf16-mixed", 64, 2, target_len=16),
     _cpu("bart-base", "fp32", 32, 2, target_len=16, lora=LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))),
     _cpu("bart-base", "fp32", 32, 2, target_len=16),
+    _cpu("llama-3.2-11b-vision", "bf16-mixed", 32, 2),
+    _cpu("llama-3.2-11b-vision", "bf16", 32, 1, images=2, freeze_vision=True),
+    # Llama 3.2 1B saved as a sequence classifier (its config's architectures).
+    _case("llama-3.2-1b", "bf16-mixed", 64, 2, runner="tracker-cpu", prefix="tiny-seqcls-",
+          overrides={**_TINY["llama-3.2-1b"], "architectures": ["LlamaForSequenceClassification"], "pad_token_id": 0}),
 ]
 
 

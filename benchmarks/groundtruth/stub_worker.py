@@ -215,7 +215,7 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     import torch
 
     from llmem_plugin.step import make_optimizer
-    from llmem_plugin.tasks import make_labels
+    from llmem_plugin.tasks import extra_inputs, make_labels
 
     model = rank.model
     optimizer = rank.optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
@@ -226,15 +226,16 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device="cuda", generator=gen)
             labels = make_labels(model, input_ids, wl).to("cuda")  # the task's labels (llmem_plugin.tasks)
+            extra = {k: v.to("cuda") for k, v in extra_inputs(model, input_ids, wl).items()}
             ctx = torch.autocast("cuda", dtype=dtype) if dtype is not None else _null()
             with ctx:
-                loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss / wl.grad_accum_steps
+                loss = model(input_ids=input_ids, labels=labels, use_cache=False, **extra).loss / wl.grad_accum_steps
             with _mode_if(rank.noop_mode):
                 if rank.backward is not None:
                     rank.backward(loss)
                 else:
                     loss.backward()
-            del loss, input_ids, labels
+            del loss, input_ids, labels, extra
         if rank.step is not None:
             rank.step(optimizer)
         else:

@@ -242,8 +242,9 @@ def chunked_loss(model, input_ids, labels, num_chunks: int):
     return total / (shifted != _IGNORE).sum()
 
 
-def forward_loss(model, input_ids, labels, wl: Workload):
+def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None):
     """The forward with the workload's loss (call it inside the workload's autocast).
+    ``extra``: the task's other inputs (a vision-language model's images).
 
     ``loss="hf"`` and ``"liger"`` are the model's own forward with labels (liger
     patched the forward in :func:`build_model`). ``logits_to_keep=k`` passes
@@ -259,7 +260,7 @@ def forward_loss(model, input_ids, labels, wl: Workload):
             raise ValueError("loss chunked with logits_to_keep is not a ground-truth path")
         return chunked_loss(model, input_ids, labels, wl.loss_chunks)
     if not wl.logits_to_keep:
-        return model(input_ids=input_ids, labels=labels, use_cache=False).loss
+        return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {})).loss
     if wl.loss is LossImpl.LIGER:
         raise ValueError("loss liger with logits_to_keep is not a ground-truth path")
     k = wl.logits_to_keep

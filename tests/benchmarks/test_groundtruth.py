@@ -28,6 +28,8 @@ CPU_IDS = [
     "tiny-distilbert-sst2-bf16-mixed-s64-b2-sdpa",
     "tiny-t5-base-bf16-mixed-s64-b2-sdpa-t16",
     "tiny-bart-base-fp32-s32-b2-lora-sdpa-t16",
+    "tiny-llama-3.2-11b-vision-bf16-s32-b1-sdpa-img2-frozen-vision",  # images: pixel values at 4 tiles each
+    "tiny-seqcls-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",
 ]
 
 
@@ -64,7 +66,8 @@ def test_cpu_rows_parse_and_carry_the_schema(cpu_rows):
         check_schema(r)
         assert r["status"] == "ok", r["error"]
         assert r["error"] is None and r["device"] == "cpu" and r["runner"] == "tracker-cpu" and r["gpu"] is None
-        assert r["config_overrides"]["vocab_size"] == 512
+        overrides = r["config_overrides"]
+        assert overrides.get("text_config", overrides)["vocab_size"] == 512  # a vision-language config nests it
         assert [s["step"] for s in r["steps"]] == [1, 2]
         allocated = [s["allocated_bytes"] for s in r["steps"]]
         assert allocated == sorted(allocated) and allocated[0] > 0  # running peaks
