@@ -109,6 +109,7 @@ _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer 
 _LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
 _LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every token; 0 keeps all")
 _TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequence; longer than any model's context")
+_CHECKPOINT_EVERY = _int_arg("--checkpoint-every", 1, 1024, "more than any model's layers")
 _IMAGES = _int_arg("--images", 1, 64, "images per sample; beyond any vision-language recipe")
 
 
@@ -128,6 +129,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
     p.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
     p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    p.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
+                   help="with --grad-checkpointing, checkpoint every K-th layer only (torchtitan's layer-level "
+                        "selective AC; default 1: every layer)")
     _add_step_args(p)
 
 
@@ -247,6 +251,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "reference_model": args.reference_model,
         "target_len": getattr(args, "target_len", None),
         "task": getattr(args, "task", None),
+        "checkpoint_every": getattr(args, "checkpoint_every", 1),
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
     }

@@ -115,9 +115,16 @@ def extrapolated_trace(
         return Extrapolation(None, note=fallback_note(reason))
     if len(kinds) != depth:
         return Extrapolation(None, note=fallback_note(f"the config lists {len(kinds)} layers, the model {depth}"))
-    plan = plan_layers(kinds)
+    k = workload.checkpoint_every if workload.grad_checkpointing else 1
+    # Checkpointing every k-th layer makes the checkpointed layers a kind of
+    # their own (modelbuild checkpoints a copy's layers by their position).
+    plan = plan_layers([(kind, i % k == k - 1) for i, kind in enumerate(kinds)] if k > 1 else kinds)
     if plan is None:
         return Extrapolation((trace_full or trace)(modelbuild.build_model(config, workload), workload))
+    for n in (plan.traced, plan.traced + 1):
+        if any((j % k == k - 1) != (i % k == k - 1) for j, i in enumerate(plan.indices(n))):
+            return Extrapolation(None, note=fallback_note(f"a {len(plan.indices(n))}-layer copy would checkpoint "
+                                                          f"other layers than every {k}-th of the model"))
     try:
         c1 = shortened_config(config, plan.indices(plan.traced), kinds)
         c2 = shortened_config(config, plan.indices(plan.traced + 1), kinds)

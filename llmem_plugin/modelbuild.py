@@ -374,9 +374,36 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if workload.checkpoint_every > 1:
+            _checkpoint_every(model, workload.checkpoint_every)
     if workload.lora is not None:
         model = _apply_lora(model, workload.lora)
     return model
+
+
+def _checkpoint_every(model: nn.Module, k: int) -> None:
+    """Keep gradient checkpointing on every ``k``-th decoder layer only.
+
+    torchtitan's layer-level selective AC (torchtitan/distributed/
+    activation_checkpoint.py, ``_apply_layer_sac``) wraps the blocks whose
+    1-based count is a multiple of ``k``: 0-based layers ``k-1, 2k-1, ...``.
+    transformers checkpoints a layer when its ``gradient_checkpointing`` flag
+    is set (modeling_layers.py, ``GradientCheckpointingLayer``), so the other
+    layers' flags are cleared.
+
+    Raises:
+        UnsupportedError: No decoder layer list, or layers without the flag.
+    """
+    from llmem_plugin.layertags import decoder_layers
+
+    name = decoder_layers(model)
+    layers = list(model.get_submodule(name)) if name else []
+    if not layers or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        raise UnsupportedError(f"--checkpoint-every needs per-layer checkpointing (transformers' "
+                               f"GradientCheckpointingLayer), which {type(model).__name__}'s layers lack. "
+                               "HINT: checkpoint every layer (drop --checkpoint-every)")
+    for j, layer in enumerate(layers):
+        layer.gradient_checkpointing = j % k == k - 1
 
 
 def _attn_arg(workload: Workload) -> str | None:

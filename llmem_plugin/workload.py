@@ -326,6 +326,9 @@ class Workload:
             ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``,
             ``image-text-to-text``, ``masked-lm``); None: the class the
             config's ``architectures`` names.
+        checkpoint_every: With ``grad_checkpointing``, checkpoint every this
+            many-th decoder layer only (torchtitan's layer-level selective
+            AC: layers ``k-1, 2k-1, ...``; 1: every layer).
         images: Images per sample of a vision-language model (None: 1).
         freeze_vision: Keep a vision-language model's vision tower frozen
             (no gradients or optimizer states for it).
@@ -349,6 +352,7 @@ class Workload:
     reference_model: bool = False
     target_len: int | None = None
     task: str | None = None
+    checkpoint_every: int = 1
     images: int | None = None
     freeze_vision: bool = False
 
@@ -358,6 +362,13 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}. HINT: pass {flag} N with N >= 1")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every <= 0:
+            raise ConfigError(f"checkpoint_every must be a positive integer, got {self.checkpoint_every!r}. "
+                              "HINT: pass --checkpoint-every K with K >= 1 (1: every layer)")
+        if self.checkpoint_every > 1 and not self.grad_checkpointing:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every} picks which layers gradient checkpointing "
+                              "recomputes, but checkpointing is off. HINT: add --grad-checkpointing")
         if self.images is not None and (
                 isinstance(self.images, bool) or not isinstance(self.images, int) or self.images <= 0):
             raise ConfigError(f"images must be a positive integer, got {self.images!r}. "
@@ -427,6 +438,7 @@ class Workload:
             "reference_model": self.reference_model,
             "target_len": self.target_len,
             "task": self.task,
+            "checkpoint_every": self.checkpoint_every,
             "images": self.images,
             "freeze_vision": self.freeze_vision,
         }
