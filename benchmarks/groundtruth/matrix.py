@@ -342,6 +342,10 @@ _TINY = {
                  "word_embed_proj_dim": 64, "vocab_size": 512},
     # The other tasks (llmem_plugin.tasks): a sequence classifier and two seq2seq models.
     "distilbert-sst2": {"n_layers": 2, "dim": 64, "hidden_dim": 128, "n_heads": 4, "vocab_size": 512},
+    "bert-base-uncased": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                          "vocab_size": 512},
+    "roberta-base": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                     "vocab_size": 512},
     "t5-base": {"num_layers": 2, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "vocab_size": 512},
     # Llama 3.2 Vision's structure (as tests/core/test_tasks.py's tiny Mllama): 4 tiles of 56 px.
     "llama-3.2-11b-vision": {
@@ -382,6 +386,12 @@ CPU_CASES: list[Case] = [
     _cpu("bart-base", "fp32", 32, 2, target_len=16),
     _cpu("llama-3.2-11b-vision", "bf16-mixed", 32, 2),
     _cpu("llama-3.2-11b-vision", "bf16", 32, 1, images=2, freeze_vision=True),
+    # BERT and RoBERTa fine-tuned as classifiers (3 labels), and BERT's own masked-LM head.
+    _case("bert-base-uncased", "bf16-mixed", 64, 2, runner="tracker-cpu", prefix="tiny-seqcls-",
+          overrides={**_TINY["bert-base-uncased"], "architectures": ["BertForSequenceClassification"]}),
+    _case("roberta-base", "fp32", 64, 2, runner="tracker-cpu", prefix="tiny-seqcls-",
+          overrides={**_TINY["roberta-base"], "architectures": ["RobertaForSequenceClassification"], "num_labels": 3}),
+    _cpu("bert-base-uncased", "bf16-mixed", 64, 2),
     # Llama 3.2 1B saved as a sequence classifier (its config's architectures).
     _case("llama-3.2-1b", "bf16-mixed", 64, 2, runner="tracker-cpu", prefix="tiny-seqcls-",
           overrides={**_TINY["llama-3.2-1b"], "architectures": ["LlamaForSequenceClassification"], "pad_token_id": 0}),

@@ -30,6 +30,8 @@ CPU_IDS = [
     "tiny-bart-base-fp32-s32-b2-lora-sdpa-t16",
     "tiny-llama-3.2-11b-vision-bf16-s32-b1-sdpa-img2-frozen-vision",  # images: pixel values at 4 tiles each
     "tiny-seqcls-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",
+    "tiny-seqcls-roberta-base-fp32-s64-b2-sdpa",
+    "tiny-bert-base-uncased-bf16-mixed-s64-b2-sdpa",
 ]
 
 

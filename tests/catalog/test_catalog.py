@@ -44,10 +44,12 @@ EXPECTED_NAMES = {
     "bart-base",
     "distilbert-sst2",
     "llama-3.2-11b-vision",
+    "bert-base-uncased",
+    "roberta-base",
 }
 # The task each entry's architectures names (llmem_plugin.tasks); the rest are causal LMs.
 TASKS = {"t5-base": "seq2seq", "bart-base": "seq2seq", "distilbert-sst2": "seq-cls",
-         "llama-3.2-11b-vision": "image-text-to-text"}
+         "llama-3.2-11b-vision": "image-text-to-text", "bert-base-uncased": "masked-lm", "roberta-base": "masked-lm"}
 
 # Keys that are tokenizer, checkpoint or library metadata, not architecture.
 _NON_ARCHITECTURE_KEYS = {"_name_or_path", "auto_map", "transformers_version", "tokenizer_class"}

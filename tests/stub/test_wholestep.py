@@ -31,6 +31,9 @@ CASES = (
     "tiny-t5-base-bf16-mixed-s64-b2-sdpa-t16",  # seq2seq: a 16-token target under a 64-token source
     "tiny-bart-base-fp32-s32-b2-sdpa-t16",  # BART; with LoRA the stub measures 4 KiB more (docs/models.md)
     "tiny-seqcls-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",  # a decoder saved as a sequence classifier
+    "tiny-seqcls-bert-base-uncased-bf16-mixed-s64-b2-sdpa",  # BERT and RoBERTa classifiers
+    "tiny-seqcls-roberta-base-fp32-s64-b2-sdpa",
+    "tiny-bert-base-uncased-bf16-mixed-s64-b2-sdpa",  # BERT's masked-LM head
 )
 
 
