@@ -149,6 +149,9 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
                    help="bitsandbytes weights for the frozen base model (QLoRA; needs --lora-rank)")
     p.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
+    p.add_argument("--kbit-prepare", default="on", metavar="{on,off}",
+                   help="with --quantize, whether peft's prepare_model_for_kbit_training runs: on (every 16-bit "
+                        "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit)")
     p.add_argument("--loss", default="hf", metavar="{hf,liger,chunked}",
                    help="loss: hf (the model's own, fp32 logits; default), liger (fused linear cross-entropy) "
                         "or chunked (torchtune's chunked-output cross-entropy)")
@@ -244,6 +247,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
     return {
         "quantize": args.quantize,
         "double_quant": args.double_quant,
+        "kbit_prepare": args.kbit_prepare,
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
         "logits_to_keep": args.logits_to_keep,

@@ -239,7 +239,8 @@ def _keys_to_not_convert(model: nn.Module) -> list[str]:
 
 def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
     """Quantize ``model``'s linear layers as transformers + bitsandbytes do,
-    then apply ``prepare_model_for_kbit_training``'s parameter changes.
+    then apply ``prepare_model_for_kbit_training``'s parameter changes
+    (``workload.kbit_prepare``: all of them, or none when the recipe skips it).
 
     Called on the meta model (or a real CPU model, whose weights are then
     really quantized), before gradient checkpointing and LoRA.
@@ -279,13 +280,23 @@ def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
     # A 4-bit layer's bias is upcast too, but Linear4bit.forward casts it back
     # to the compute dtype on the first call: the stand-in keeps that steady state.
     kept = {id(m.bias) for m in model.modules() if isinstance(m, Linear4bitStandIn) and m.bias is not None}
+    upcast = _upcast_parameters(model, workload.kbit_prepare)
     for p in model.parameters():
         p.requires_grad_(False)
-        if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in kept:
+        if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in kept and id(p) in upcast:
             p.data = p.data.to(torch.float32)
     # peft checks these to treat the model as a k-bit one ([P]).
     model.is_loaded_in_4bit = True
     return model
+
+
+def _upcast_parameters(model: nn.Module, prepare: str) -> set[int]:
+    """The parameters k-bit preparation casts to fp32 (by ``id``).
+
+    ``on``: all of them, as ``prepare_model_for_kbit_training`` does ([P]);
+    ``off``: none (a recipe that skips it keeps the loaded dtype).
+    """
+    return {id(p) for p in model.parameters()} if prepare == "on" else set()
 
 
 def lora_custom_modules(model: nn.Module) -> dict[type[nn.Module], type[nn.Module]]:

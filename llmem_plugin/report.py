@@ -40,10 +40,13 @@ def render_estimate(est: Estimate, console: Console) -> None:
     """Print the breakdown at the peak of ``est``."""
     wl = est.workload
     lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
+    if wl.quantize is not None:  # QLoRA: the quantization and what k-bit preparation upcast
+        lora += f", {wl.quantize.value}{'+dq' * wl.double_quant} base (k-bit preparation {wl.kbit_prepare})"
     every = f" every {wl.checkpoint_every} layers" if wl.checkpoint_every > 1 else ""
     gc = f", grad checkpointing{every}" if wl.grad_checkpointing else ""
+    cls = f" ({est.model_class})" if est.model_class else ""
     title = (
-        f"{est.model}{f' ({est.model_class})' if est.model_class else ''}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
+        f"{est.model}{cls}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
         f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
     )
     console.print(title)

@@ -290,6 +290,9 @@ class LoraSpec:
 # (c10/core/Scalar.h); a larger value fails inside torch. The traced step
 # itself does not grow with it (llmem_plugin.step.traced_micro_steps).
 MAX_GRAD_ACCUM_STEPS = 2**63 - 1
+# What peft's prepare_model_for_kbit_training does to a QLoRA model's other
+# parameters, as recipes run it (llmem_plugin.quant._upcast_parameters).
+_KBIT_PREPARE = ("on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,6 +313,10 @@ class Workload:
             layers (needs ``lora``), or None.
         double_quant: Quantize the 4-bit absmax statistics too
             (``bnb_4bit_use_double_quant``).
+        kbit_prepare: With ``quantize``, what peft's
+            ``prepare_model_for_kbit_training`` does to the other parameters:
+            ``on`` (it runs: every 16-bit parameter becomes fp32) or ``off``
+            (the recipe skips it).
         loss: See :class:`LossImpl`.
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
@@ -345,6 +352,7 @@ class Workload:
     runner: Runner = Runner.TORCH
     quantize: Quantization | None = None
     double_quant: bool = False
+    kbit_prepare: str = "on"
     loss: LossImpl = LossImpl.HF
     logits_to_keep: int = 0
     loss_chunks: int = 8
@@ -400,6 +408,12 @@ class Workload:
                     f"--quantize {self.quantize.value} freezes the base weights (bitsandbytes weights take no "
                     "gradient), so it trains LoRA adapters only. HINT: add --lora-rank 16 (QLoRA)"
                 )
+        if self.kbit_prepare not in _KBIT_PREPARE:
+            raise ConfigError(f"unsupported k-bit preparation {self.kbit_prepare!r}; valid: "
+                              f"{', '.join(_KBIT_PREPARE)}. HINT: pass --kbit-prepare with one of them")
+        if self.kbit_prepare != "on" and self.quantize is None:
+            raise ConfigError(f"--kbit-prepare {self.kbit_prepare} applies to quantized base weights. "
+                              "HINT: add --quantize nf4 (QLoRA), or drop --kbit-prepare")
         if self.double_quant and self.quantize not in (Quantization.NF4, Quantization.FP4):
             raise ConfigError("--double-quant applies to 4-bit weights only. HINT: pass --quantize nf4 or fp4")
         if self.offload_activations is not None:
@@ -431,6 +445,7 @@ class Workload:
             "runner": self.runner.value,
             "quantize": None if self.quantize is None else self.quantize.value,
             "double_quant": self.double_quant,
+            "kbit_prepare": self.kbit_prepare,
             "loss": self.loss.value,
             "logits_to_keep": self.logits_to_keep,
             "loss_chunks": self.loss_chunks,

@@ -14,7 +14,7 @@ from llmem_plugin import modelbuild, quant
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.methods import method_names
 from llmem_plugin.techniques import check_supported
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, round_allocation
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
 from ..conftest import tiny_config
@@ -172,6 +172,41 @@ def test_fake_trace_equals_real_cpu_run(name):
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_skipped_kbit_preparation_equals_a_real_cpu_run():
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16", quantize="nf4", kbit_prepare="off",
+                  lora=LoraSpec(rank=4))
+    fake, real = fake_and_real(tiny_config("llama"), wl)
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_kbit_preparation_moves_parameters_and_activations_as_documented():
+    """peft's preparation makes every 16-bit parameter fp32; an fp32 RMSNorm
+    weight makes Llama's residual stream fp32 (LlamaRMSNorm returns
+    ``weight * hidden.to(input_dtype)``: the product takes the fp32 weight's
+    dtype), so the forward holds more."""
+    from llmem_plugin.estimate import estimate
+
+    cfg = tiny_config("llama")
+    runs = {p: estimate(cfg, seq_len=64, batch_size=2, precision="bf16", quantize="nf4", kbit_prepare=p,
+                        lora=LoraSpec(rank=4)) for p in ("on", "off")}
+    param = MemoryCategory.PARAMETER
+    h, vocab, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    norms = [h] * (2 * layers + 1)
+    embeddings = [vocab * h] * 2  # the input embedding and the untied LM head
+    upcast = lambda sizes: sum(round_allocation(4 * n) - round_allocation(2 * n) for n in sizes)  # noqa: E731
+    assert runs["on"].breakdown[param] - runs["off"].breakdown[param] == upcast(norms + embeddings)
+    forward = {p: e.phase_peaks[Phase.FORWARD] - e.breakdown[param] for p, e in runs.items()}
+    assert forward["off"] < forward["on"]
+
+
+def test_kbit_prepare_needs_quantization():
+    with pytest.raises(ConfigError, match="add --quantize nf4"):
+        Workload(kbit_prepare="off")
+    with pytest.raises(ConfigError, match="valid: on, off"):
+        Workload(kbit_prepare="partial", quantize="nf4", lora=LoraSpec(rank=4))
 
 
 @pytest.mark.parametrize(("arch", "targets", "precision"), [
