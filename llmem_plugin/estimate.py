@@ -96,6 +96,10 @@ class Estimate:
         fast: Whether fast mode (shortened traces, the full stream built
             from them) produced this.
         seconds: Wall time the estimate took.
+        alloc_retries: Times the simulated allocator, at this capacity, freed
+            its cached blocks and retried a ``cudaMalloc``
+            (``torch.cuda.memory_stats()["num_alloc_retries"]``); when above
+            0, the reported peaks are the replay capped at the capacity.
         model_class: The transformers class traced (the config's
             ``architectures[0]`` decides it, :mod:`llmem_plugin.tasks`).
     """
@@ -131,6 +135,7 @@ class Estimate:
     # not fix (llmem_plugin.moe.routing_note: MoE token routing).
     notes: tuple[str, ...] = ()
     model_class: str = ""
+    alloc_retries: int = 0
     # Peak of host-resident bytes the step holds (offloaded activations in
     # pinned memory, optimizer step counters); never on the device.
     host_peak_bytes: int = 0
@@ -195,6 +200,7 @@ class Estimate:
         return {
             "model": self.model,
             "model_class": self.model_class,
+            "alloc_retries": self.alloc_retries,
             "workload": self.workload.to_dict(),
             "params": self.params,
             "trainable_params": self.trainable_params,
@@ -734,6 +740,7 @@ def estimate(
         fits=fits,
         overheads=overheads,
         fragmentation=sim.fragmentation,
+        alloc_retries=sim.num_alloc_retries,
         alloc_conf=config.to_env(),
         peak_phase=result.peak_phase,
         peak_module=result.peak_module,

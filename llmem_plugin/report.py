@@ -83,6 +83,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
     headroom = est.capacity_bytes - est.device_total_bytes
     per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
     console.print(per_gpu)
+    if est.alloc_retries:
+        console.print(f"at this capacity the allocator frees its cached blocks and retries {est.alloc_retries} "
+                      "time(s) per run (torch's num_alloc_retries): reserved is the replay capped at the GPU's "
+                      "memory, and those retries cost time")
     if wl.offload_activations is not None:
         console.print(f"pinned host memory ({wl.offload_activations.value} activation offload): "
                       f"{gib(est.host_peak_bytes)} GiB")
