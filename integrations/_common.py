@@ -201,33 +201,35 @@ def batch_dims(batch: Any) -> tuple[int, int] | None:
     return None
 
 
-def target_len(live: "LiveModel", batch: Any) -> int | None:
-    """The target length of a seq2seq model's batch (its ``labels``' second
-    dimension); None for other models, or a batch without 2-D labels."""
-    from llmem_plugin.tasks import Task, model_task
+def _task_dim(live: "LiveModel", batch: Any, task: Any, key: str, ndim: int) -> int | None:
+    """``batch[key].shape[1]`` when ``live`` is a ``task`` model and that
+    tensor has ``ndim`` dimensions; None otherwise."""
+    from llmem_plugin.tasks import model_task
 
     try:
-        if model_task(live.module) is not Task.SEQ2SEQ:
+        if model_task(live.module) is not task:
             return None
     except Exception:  # noqa: BLE001 - a class that is not modelled: the check says so
         return None
-    labels = batch.get("labels") if hasattr(batch, "get") else None
-    return int(labels.shape[1]) if isinstance(labels, torch.Tensor) and labels.dim() == 2 else None
+    t = batch.get(key) if hasattr(batch, "get") else None
+    return int(t.shape[1]) if isinstance(t, torch.Tensor) and t.dim() == ndim else None
+
+
+def target_len(live: "LiveModel", batch: Any) -> int | None:
+    """The target length of a seq2seq model's batch (its ``labels``' second
+    dimension); None for other models, or a batch without 2-D labels."""
+    from llmem_plugin.tasks import Task
+
+    return _task_dim(live, batch, Task.SEQ2SEQ, "labels", 2)
 
 
 def images_per_sample(live: "LiveModel", batch: Any) -> int | None:
     """Images per sample of a vision-language model's batch (``pixel_values``
     ``[batch, images, tiles, 3, H, W]``, Mllama's processor); None for other
     models or a batch without images."""
-    from llmem_plugin.tasks import Task, model_task
+    from llmem_plugin.tasks import Task
 
-    try:
-        if model_task(live.module) is not Task.IMAGE_TEXT:
-            return None
-    except Exception:  # noqa: BLE001 - a class that is not modelled: the check says so
-        return None
-    pixels = batch.get("pixel_values") if hasattr(batch, "get") else None
-    return int(pixels.shape[1]) if isinstance(pixels, torch.Tensor) and pixels.dim() == 6 else None
+    return _task_dim(live, batch, Task.IMAGE_TEXT, "pixel_values", 6)
 
 
 def precision_of(param_dtype: torch.dtype, *, bf16: bool, fp16: bool) -> Precision:
