@@ -111,11 +111,16 @@ def _classify(name: str) -> Task | str | None:
 
 
 def _refuse(name: str, what: str | None) -> UnsupportedError:
+    if what and ("vision-language" in what or "multimodal" in what):
+        # Its text model's config (text_config) names no class: a causal LM.
+        hint = ("for a text-only fine-tune, pass its text model's config (the text_config section) as its own "
+                "config.json")
+    else:
+        hint = "pass --task (task=) with the one the job trains, e.g. --task causal-lm for a decoder"
     return UnsupportedError(
         f"{name}{f' is {what}' if what else ' is not a class transformers lists for a task'}: its training step "
         f"is not modelled, and a causal LM in its place would be another model. Modelled tasks: "
-        f"{', '.join(t.value for t in Task)}. HINT: pass --task (task=) with the one the job trains, e.g. "
-        "--task causal-lm for a text-only fine-tune of a decoder")
+        f"{', '.join(t.value for t in Task)}. HINT: {hint}")
 
 
 def _language_model_task(config: Any) -> Task | None:

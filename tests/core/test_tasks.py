@@ -198,6 +198,19 @@ def test_target_len_is_for_seq2seq_only(capsys):
     assert code == 2 and "seq2seq" in err
 
 
+def test_a_vision_language_refusal_points_to_its_text_model(capsys, tmp_path):
+    llava = transformers.LlavaConfig(text_config=transformers.LlamaConfig(**SMALL),
+                                     architectures=["LlavaForConditionalGeneration"])
+    with pytest.raises(UnsupportedError, match="text_config") as info:
+        llmem_plugin.estimate(llava, seq_len=16)
+    del info
+    # Following the hint: the text model alone is a causal LM.
+    text = tmp_path / "text.json"
+    llava.text_config.to_json_file(text)
+    code, out, err = run(capsys, "estimate", "--model", str(text), "--seq-len", "16")
+    assert code == 0 and "ForCausalLM" in out, err
+
+
 def test_cli_refuses_in_one_line_with_exit_2(capsys, tmp_path):
     path = tmp_path / "llava.json"
     REFUSED["llava"][0]().to_json_file(path)
