@@ -36,6 +36,20 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def loss_path(est: Estimate) -> str:
+    """How the traced step computed its loss, in words (llmem_plugin.loss)."""
+    wl = est.workload
+    if est.model_class and not est.model_class.endswith(("ForCausalLM", "LMHeadModel")):
+        return f"{est.model_class}'s own loss"  # other tasks: their forward's loss, as traced
+    keep = f" on the last {wl.logits_to_keep} tokens" if wl.logits_to_keep else ""
+    if wl.loss.value == "liger":
+        return "liger-kernel fused linear cross-entropy (no full logits)"
+    if wl.loss.value == "chunked":
+        return f"chunked cross-entropy over {wl.loss_chunks} sequence chunks, each chunk's logits upcast to fp32"
+    # transformers' ForCausalLMLoss (loss/loss_utils.py): logits.float(), then cross-entropy.
+    return f"the model's own loss (transformers' ForCausalLMLoss: full logits upcast to fp32){keep}"
+
+
 def render_estimate(est: Estimate, console: Console) -> None:
     """Print the breakdown at the peak of ``est``."""
     wl = est.workload
@@ -94,6 +108,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
         console.print(_host_line(est.host_bytes, est.host_capacity_bytes, est.host_memory_source,
                                  what=f"host (CPU) RAM of the process: {gib(est.host_bytes)} GiB "
                                       f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
+    console.print(f"loss path: {loss_path(est)}")
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")

@@ -287,3 +287,17 @@ def test_catalog_models_as_classifiers_have_their_class_parameters(name, cls):
         want = sum(p.numel() for p in getattr(transformers, cls)(config).parameters())
     est = llmem_plugin.estimate(name, seq_len=16, task="seq-cls")
     assert est.model_class == cls and est.params == want
+
+
+def test_report_names_the_loss_path():
+    from llmem_plugin.report import loss_path
+
+    cfg = transformers.LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"])
+    plain = llmem_plugin.estimate(cfg, seq_len=16)
+    assert loss_path(plain) == "the model's own loss (transformers' ForCausalLMLoss: full logits upcast to fp32)"
+    assert "loss path: the model's own loss" in str(plain)
+    chunked = llmem_plugin.estimate(cfg, seq_len=16, loss="chunked", loss_chunks=4)
+    assert loss_path(chunked).startswith("chunked cross-entropy over 4 sequence chunks")
+    assert loss_path(llmem_plugin.estimate(cfg, seq_len=16, logits_to_keep=8)).endswith("on the last 8 tokens")
+    classifier = llmem_plugin.estimate(CLASSIFIERS["bert"](), seq_len=16)
+    assert loss_path(classifier) == "BertForSequenceClassification's own loss"
