@@ -38,8 +38,8 @@ Prototype and measurements: ``benchmarks/fast_stream_synthesis.py``,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from llmem_plugin.layerkinds import LayerPlan
 from llmem_plugin.tracker import Phase, TraceResult
@@ -237,10 +237,4 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
     if peak != result.peak_bytes:
         raise SynthesisError(f"the built stream peaks at {peak} B of tensors, the per-layer extrapolation "
                              f"at {result.peak_bytes} B")
-    return _replace(result, events=events, timeline=timeline, marks=marks, num_events=len(events))
-
-
-def _replace(result: TraceResult, **changes: Any) -> TraceResult:
-    import dataclasses
-
-    return dataclasses.replace(result, **changes)
+    return dataclasses.replace(result, events=events, timeline=timeline, marks=marks, num_events=len(events))

@@ -31,6 +31,7 @@ config's class, for a checkpoint saved as one class and fine-tuned as another
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import Any
 
@@ -81,13 +82,14 @@ _OTHER = (
 )
 
 
-def _classes(table: str) -> set[str]:
+@functools.cache
+def _classes(table: str) -> frozenset[str]:
     from transformers.models.auto import modeling_auto
 
     out: set[str] = set()
     for v in getattr(modeling_auto, table, {}).values():
         out.update(v if isinstance(v, (list, tuple)) else (v,))
-    return out
+    return frozenset(out)
 
 
 def auto_class(task: Task) -> Any:
