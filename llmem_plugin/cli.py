@@ -152,10 +152,13 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kbit-prepare", default="on", metavar="{on,off}",
                    help="with --quantize, whether peft's prepare_model_for_kbit_training runs: on (every 16-bit "
                         "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit)")
-    p.add_argument("--loss", default="hf", metavar="{hf,liger,chunked}",
-                   help="loss: hf (the model's own, fp32 logits; default), liger (fused linear cross-entropy) "
-                        "or chunked (torchtune's chunked-output cross-entropy)")
+    p.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked}",
+                   help="loss: hf (the model's own, logits upcast to fp32; default), no-upcast (cross-entropy on "
+                        "the logits' own dtype, e.g. bf16), liger (fused linear cross-entropy) or chunked "
+                        "(torchtune's chunked-output cross-entropy)")
     p.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
+    p.add_argument("--loss-chunk-upcast", default="on", choices=("on", "off"),
+                   help="with --loss chunked: upcast each chunk's logits to fp32 (on, torchtune) or not (off)")
     p.add_argument("--logits-to-keep", type=_LOGITS_TO_KEEP, default=0,
                    help="compute logits and loss for only the last N tokens (default 0: all)")
     p.add_argument("--offload-activations", nargs="?", const="streamed", default=None,
@@ -250,6 +253,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "kbit_prepare": args.kbit_prepare,
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
+        "loss_chunk_upcast": getattr(args, "loss_chunk_upcast", "on") == "on",
         "logits_to_keep": args.logits_to_keep,
         "offload_activations": args.offload_activations,
         "reference_model": args.reference_model,

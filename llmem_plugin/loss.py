@@ -13,12 +13,23 @@ module runs the others through the real model:
   labels. The last kept position has no next token and is ignored, as in the
   full loss. This is the loss of the last ``k`` positions,
   the completion-only loss TRL computes with ``logits_to_keep``.
+* ``"no-upcast"``: the model's own forward without labels (its logits,
+  softcapping or scaling included), then ``ForCausalLMLoss``'s steps without
+  its ``logits.float()``: labels padded and shifted, ``cross_entropy`` on the
+  logits in their own dtype. Trainers that call ``F.cross_entropy`` on bf16
+  logits (LitGPT's ``chunked_cross_entropy``, torchtune before its chunked
+  loss) keep a log-softmax the logits' size, not an fp32 copy and its
+  gradient. Works for every causal LM and under every method.
 * ``"chunked"``: torchtune 0.6.1 ``CEWithChunkedOutputLoss``
   (``torchtune/modules/loss/ce_chunked_output_loss.py``) fed by
   ``TransformerDecoder.chunked_output`` (``torchtune/modules/transformer.py``):
   the last hidden state is split along the sequence, the output projection runs
   per chunk, and each chunk's logits are upcast and reduced in turn. Plain
-  torch ops, run as they are.
+  torch ops, run as they are. ``loss_chunk_upcast=False`` drops the per-chunk
+  ``.float()``. Any causal LM whose forward, read at trace time, applies only
+  its output projection, optionally followed by final-logit softcapping
+  (Gemma 2/3) or a constant logit scale (Granite, Cohere), is modelled; the
+  same transform runs on each chunk.
 * ``"liger"``: liger-kernel 0.8.5's fused linear cross-entropy
   (``liger_kernel/ops/fused_linear_cross_entropy.py``, driven by
   ``liger_kernel/transformers/model/llama.py`` ``lce_forward`` and
@@ -33,8 +44,9 @@ for the duration of the call (liger's ``apply_liger_kernel_to_*`` patches the
 class ``forward`` the same way), so wrappers (peft, DDP) run as usual.
 
 Known limitations:
-    * Only the architectures in :data:`CHUNKED_ARCHS` / :data:`LIGER_ARCHS`,
-      whose causal-LM forward was read, are modelled; others raise.
+    * ``"liger"`` covers the architectures in :data:`LIGER_ARCHS` (those with
+      an ``lce_forward``); ``"chunked"`` covers the forwards
+      :func:`logit_transform` recognises; others raise.
     * ``"chunked"`` and ``"liger"`` cannot be combined with ``logits_to_keep``.
     * liger's RMSNorm, RoPE and SwiGLU kernels (on by default in
       ``apply_liger_kernel_to_*``) are not modelled: the layers run as
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -57,18 +70,13 @@ from llmem_plugin._pause import untracked
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.workload import LossImpl, Workload
 
-__all__ = ["CHUNKED_ARCHS", "IGNORE_INDEX", "LIGER_ARCHS", "forward_with_loss", "liger_chunk_size",
-           "liger_fused_linear_cross_entropy", "unsupported"]
+__all__ = ["IGNORE_INDEX", "LIGER_ARCHS", "forward_with_loss", "liger_chunk_size",
+           "liger_fused_linear_cross_entropy", "logit_transform", "unsupported"]
 
 # transformers loss_utils.py ForCausalLMLoss and torchtune CEWithChunkedOutputLoss
 # both default ignore_index to -100 (torch.nn.functional.cross_entropy's default).
 IGNORE_INDEX = -100
 
-# Causal LMs whose forward is `logits = lm_head(base_model(...)[0])` and then the
-# loss alone (transformers 5.23 models/<arch>/modeling_<arch>.py): no logit
-# scaling or softcapping. Mixtral adds its router loss only when
-# `output_router_logits` is set, which is refused below.
-CHUNKED_ARCHS = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "gpt2", "opt"})
 # Architectures with an lce_forward in liger-kernel 0.8.5
 # (liger_kernel/transformers/model/{llama,mistral,qwen2,qwen3}.py), each
 # `LigerForCausalLMLoss(hidden_states, lm_head.weight, labels, hidden_size)`.
@@ -94,8 +102,8 @@ def unsupported(method: str, workload: Workload) -> str | None:
     Returns:
         One sentence naming the combination, with a HINT; None if modelled.
     """
-    if workload.loss is LossImpl.HF:
-        return None
+    if workload.loss in (LossImpl.HF, LossImpl.NO_UPCAST):
+        return None  # the model's own forward computes the logits, under any method
     if workload.logits_to_keep:
         return (f"--loss {workload.loss.value} with --logits-to-keep {workload.logits_to_keep} is not modelled "
                 "(neither torchtune's chunked loss nor liger's fused loss takes it). "
@@ -133,13 +141,14 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         raise ConfigError(reason)
     if workload.loss is LossImpl.HF:
         return _hf_logits_to_keep(model, causal_lm, input_ids, labels, workload.logits_to_keep)
+    if workload.loss is LossImpl.NO_UPCAST:
+        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
     arch = causal_lm.config.model_type
     if getattr(causal_lm.config, "output_router_logits", False):
         raise ConfigError(f"--loss {workload.loss.value} with output_router_logits on '{arch}' is not modelled "
                           "(the router loss is added by the model's own forward). HINT: use --loss hf")
     if workload.loss is LossImpl.CHUNKED:
-        _check_arch(arch, CHUNKED_ARCHS, workload.loss)
-        head = _chunked_head(workload.loss_chunks)
+        head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm))
     else:
         _check_arch(arch, LIGER_ARCHS, workload.loss)
         head = _liger_head
@@ -184,12 +193,80 @@ def _hf_logits_to_keep(model: nn.Module, causal_lm: PreTrainedModel, input_ids: 
     return out
 
 
-def _chunked_head(num_chunks: int):
+def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor,
+               keep: int) -> Mapping[str, torch.Tensor]:
+    kwargs = {}
+    if keep:
+        if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
+            raise ConfigError(f"'{type(causal_lm).__name__}.forward' takes no logits_to_keep. "
+                              "HINT: drop --logits-to-keep for this model")
+        kwargs["logits_to_keep"] = keep
+        labels = labels[:, -keep:]
+    out = model(input_ids=input_ids, use_cache=False, **kwargs)
+    logits = out["logits"]
+    # ForCausalLMLoss (transformers loss/loss_utils.py) without `logits = logits.float()`:
+    # labels padded with ignore_index and shifted, both flattened, mean over the kept labels.
+    shift = _next_token_labels(labels)
+    out["loss"] = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), shift.view(-1),
+                                              ignore_index=IGNORE_INDEX, reduction="mean")
+    return out
+
+
+# The statements a causal LM's forward may run between its output projection
+# and its loss for the chunked head to reproduce it per chunk (transformers
+# 5.x modeling_<arch>.py): Gemma 2/3's final-logit softcapping, Granite's
+# `logits / config.logits_scaling`, Cohere's `logits * self.logit_scale`.
+_SOFTCAP = ("if self.config.final_logit_softcapping is not None:",
+            "logits = logits / self.config.final_logit_softcapping",
+            "logits = torch.tanh(logits)",
+            "logits = logits * self.config.final_logit_softcapping")
+_HEAD_LINE = re.compile(r"^(\w+) = self\.(lm_head|embed_out)\(hidden_states")
+
+
+def logit_transform(causal_lm: PreTrainedModel):
+    """What ``causal_lm``'s forward does to the output projection's result
+    before its loss, as a function of one chunk's logits.
+
+    Read from the class's forward source: the statements after the line that
+    calls the output projection on the hidden states, up to ``loss = None``.
+
+    Raises:
+        ConfigError: The forward does something else there (or cannot be read).
+    """
+    cls = type(causal_lm)
+    try:
+        lines = [ln.split("#")[0].strip() for ln in inspect.getsource(cls.forward).splitlines()]
+    except (OSError, TypeError):
+        lines = []
+    lines = [ln for ln in lines if ln]
+    start = next((i for i, ln in enumerate(lines) if _HEAD_LINE.match(ln)), None)
+    end = next((i for i, ln in enumerate(lines) if ln == "loss = None"), None)
+    if start is None or end is None or end < start:
+        raise ConfigError(f"--loss chunked is not modelled for '{cls.__name__}': its forward does not compute "
+                          "logits from the output projection in one recognised statement. HINT: use --loss hf "
+                          "or --loss no-upcast for this model")
+    between = tuple(lines[start + 1:end])
+    cfg = causal_lm.config
+    if not between:
+        return lambda logits: logits
+    if between == _SOFTCAP:
+        cap = cfg.final_logit_softcapping
+        return (lambda logits: logits) if cap is None else (lambda logits: torch.tanh(logits / cap) * cap)
+    if between == ("logits = logits / self.config.logits_scaling",):
+        return lambda logits: logits / cfg.logits_scaling
+    if between == ("logits = logits * self.logit_scale",):
+        return lambda logits: logits * causal_lm.logit_scale
+    raise ConfigError(f"--loss chunked is not modelled for '{cls.__name__}': its forward runs "
+                      f"{between[0]!r} on the logits before the loss. HINT: use --loss hf or --loss no-upcast")
+
+
+def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits):
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # TransformerDecoder.chunked_output: [output(c) for c in h.chunk(n, dim=1)];
-        # every chunk's logits exist before the loss runs.
+        # every chunk's logits exist before the loss runs. The model's own
+        # logit transform (softcapping, scaling) runs on each chunk.
         output = self.get_output_embeddings()
-        logits = [output(chunk) for chunk in hidden.chunk(num_chunks, dim=1)]
+        logits = [transform(output(chunk)) for chunk in hidden.chunk(num_chunks, dim=1)]
         del hidden
         # torchtune recipes (full_finetune_single_device.py _loss_step): labels
         # shifted left, a column of ignore_index appended (torch.hstack).
@@ -202,7 +279,7 @@ def _chunked_head(num_chunks: int):
         logits = [c.reshape(-1, c.size(-1)) for c in logits]
         total_loss = 0.0
         for logits_chunk, labels_chunk in zip(logits, label_chunks):
-            total_loss += nn.functional.cross_entropy(logits_chunk.float(), labels_chunk,
+            total_loss += nn.functional.cross_entropy(logits_chunk.float() if upcast else logits_chunk, labels_chunk,
                                                       ignore_index=IGNORE_INDEX, reduction="sum")
         return total_loss / total_elements
 

@@ -45,7 +45,10 @@ def loss_path(est: Estimate) -> str:
     if wl.loss.value == "liger":
         return "liger-kernel fused linear cross-entropy (no full logits)"
     if wl.loss.value == "chunked":
-        return f"chunked cross-entropy over {wl.loss_chunks} sequence chunks, each chunk's logits upcast to fp32"
+        each = "each chunk's logits upcast to fp32" if wl.loss_chunk_upcast else "no fp32 upcast"
+        return f"chunked cross-entropy over {wl.loss_chunks} sequence chunks, {each}"
+    if wl.loss.value == "no-upcast":
+        return f"cross-entropy on the full logits in their own dtype (no fp32 copy){keep}"
     # transformers' ForCausalLMLoss (loss/loss_utils.py): logits.float(), then cross-entropy.
     return f"the model's own loss (transformers' ForCausalLMLoss: full logits upcast to fp32){keep}"
 

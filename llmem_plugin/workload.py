@@ -157,12 +157,15 @@ class LossImpl(str, Enum):
     """How the language-model loss is computed from the last hidden states.
 
     HF is the model's own ``loss_function`` (logits upcast to fp32, the
-    transformers default); LIGER is liger-kernel's fused linear
+    transformers default); NO_UPCAST is the same cross-entropy on the logits
+    in the dtype the model produced them (trainers that call
+    ``F.cross_entropy`` on bf16 logits); LIGER is liger-kernel's fused linear
     cross-entropy (no full logits); CHUNKED is a loss over sequence chunks of
     the logits (torchtune's ``CEWithChunkedOutputLoss``).
     """
 
     HF = "hf"
+    NO_UPCAST = "no-upcast"
     LIGER = "liger"
     CHUNKED = "chunked"
 
@@ -321,6 +324,9 @@ class Workload:
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
         loss_chunks: Chunks of the sequence for ``loss="chunked"``.
+        loss_chunk_upcast: With ``loss="chunked"``, upcast each chunk's
+            logits to fp32 before its cross-entropy (torchtune; True) or keep
+            the logits' own dtype (False).
         offload_activations: See :class:`ActivationOffload`, or None.
         reference_model: Also run a frozen reference model's forward under
             ``no_grad`` after each policy forward, as DPO does (TRL): a
@@ -356,6 +362,7 @@ class Workload:
     loss: LossImpl = LossImpl.HF
     logits_to_keep: int = 0
     loss_chunks: int = 8
+    loss_chunk_upcast: bool = True
     offload_activations: ActivationOffload | None = None
     reference_model: bool = False
     target_len: int | None = None
@@ -423,6 +430,9 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}. HINT: pass {flag} N")
+        if not self.loss_chunk_upcast and self.loss is not LossImpl.CHUNKED:
+            raise ConfigError(f"--loss-chunk-upcast off applies to --loss chunked, not --loss {self.loss.value}. "
+                              "HINT: add --loss chunked, or use --loss no-upcast for unchunked logits")
         if self.logits_to_keep > self.seq_len:
             raise ConfigError(f"logits_to_keep {self.logits_to_keep} exceeds seq_len {self.seq_len}. "
                               "HINT: pass --logits-to-keep N with N <= --seq-len, or 0 for all tokens")
@@ -449,6 +459,7 @@ class Workload:
             "loss": self.loss.value,
             "logits_to_keep": self.logits_to_keep,
             "loss_chunks": self.loss_chunks,
+            "loss_chunk_upcast": self.loss_chunk_upcast,
             "offload_activations": None if self.offload_activations is None else self.offload_activations.value,
             "reference_model": self.reference_model,
             "target_len": self.target_len,

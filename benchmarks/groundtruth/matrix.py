@@ -123,9 +123,10 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
 def _technique_parts(wl: Workload) -> list[str]:
     parts = []
     if wl.quantize is not None:
-        parts.append(wl.quantize.value + "-dq" * wl.double_quant)
+        parts.append(wl.quantize.value + "-dq" * wl.double_quant + "-kbit-off" * (wl.kbit_prepare == "off"))
     if wl.loss.value != "hf":
-        parts.append(wl.loss.value + (f"{wl.loss_chunks}" if wl.loss.value == "chunked" else ""))
+        chunked = wl.loss.value == "chunked"
+        parts.append(wl.loss.value + (f"{wl.loss_chunks}" + "-noup" * (not wl.loss_chunk_upcast) if chunked else ""))
     parts += [f"keep{wl.logits_to_keep}"] * (wl.logits_to_keep > 0)
     if wl.offload_activations is not None:
         parts.append("offload-" + wl.offload_activations.value)

@@ -175,11 +175,17 @@ def _prepare_kbit(model, wl: Workload):
 
     import peft
 
-    # peft/utils/other.py prepare_model_for_kbit_training (0.21): freezes everything, casts every fp16/bf16
-    # parameter that is not Params4bit to fp32, and (use_gradient_checkpointing) turns checkpointing on.
-    model = peft.prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=wl.grad_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False})
+    if wl.kbit_prepare == "on":
+        # peft/utils/other.py prepare_model_for_kbit_training (0.21): freezes everything, casts every fp16/bf16
+        # parameter that is not Params4bit to fp32, and (use_gradient_checkpointing) turns checkpointing on.
+        model = peft.prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=wl.grad_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:  # the recipe skips it: everything frozen in its own dtype, checkpointing as configured
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if wl.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     spec = wl.lora
     targets = "all-linear" if spec.target_modules == ("all-linear",) else list(spec.target_modules)
     cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.lora_alpha, lora_dropout=spec.dropout,
@@ -212,7 +218,7 @@ def _causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def chunked_loss(model, input_ids, labels, num_chunks: int):
+def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True):
     """torchtune's chunked-output cross-entropy on ``model``'s last hidden states.
 
     torchtune 0.6.1: ``TransformerDecoder.chunked_output`` runs the output
@@ -221,7 +227,8 @@ def chunked_loss(model, input_ids, labels, num_chunks: int):
     chunk at a time (``logits.float()``), sums the per-chunk
     ``cross_entropy(reduction="sum")`` and divides by the number of labelled
     tokens. Labels are shifted left with an ignored last position, as
-    torchtune's recipes do before the loss.
+    torchtune's recipes do before the loss. ``upcast=False`` keeps each
+    chunk in the compute dtype.
 
     Returns:
         The scalar loss.
@@ -237,9 +244,32 @@ def chunked_loss(model, input_ids, labels, num_chunks: int):
     shifted = F.pad(labels[:, 1:], (0, 1), value=_IGNORE)
     total = torch.zeros((), device=input_ids.device)
     for logits, target in zip(chunks, shifted.chunk(num_chunks, dim=1), strict=True):
-        total = total + F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
+        flat = logits.reshape(-1, logits.size(-1))
+        total = total + F.cross_entropy(flat.float() if upcast else flat, target.reshape(-1),
                                         ignore_index=_IGNORE, reduction="sum")
     return total / (shifted != _IGNORE).sum()
+
+
+def no_upcast_loss(model, input_ids, labels, keep: int = 0):
+    """Cross-entropy on the model's logits in their own dtype (no ``.float()``).
+
+    The model's forward without labels (``logits_to_keep=keep`` when
+    ``keep``), labels padded with the ignore index and shifted left, mean
+    ``F.cross_entropy`` over the labelled tokens: transformers'
+    ``ForCausalLMLoss`` without its upcast, as trainers that call
+    ``F.cross_entropy`` on bf16 logits do.
+
+    Returns:
+        The scalar loss.
+    """
+    import torch.nn.functional as F
+
+    kwargs = {"logits_to_keep": keep} if keep else {}
+    logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+    if keep:
+        labels = labels[:, -keep:]
+    shifted = F.pad(labels, (0, 1), value=_IGNORE)[..., 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shifted.reshape(-1), ignore_index=_IGNORE)
 
 
 def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None):
@@ -258,7 +288,9 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
     if wl.loss is LossImpl.CHUNKED:
         if wl.logits_to_keep:
             raise ValueError("loss chunked with logits_to_keep is not a ground-truth path")
-        return chunked_loss(model, input_ids, labels, wl.loss_chunks)
+        return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast)
+    if wl.loss is LossImpl.NO_UPCAST:
+        return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep)
     if not wl.logits_to_keep:
         return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {})).loss
     if wl.loss is LossImpl.LIGER:

@@ -42,6 +42,22 @@ V, H, B, S = 4096, 64, 2, 128
 N = B * S
 
 
+# Two more architectures, for the loss heads only (the shared fixtures' set stays small):
+# Gemma 2 softcaps its final logits; Phi-3 fuses q/k/v.
+_MORE = {
+    "gemma2": lambda: __import__("transformers").Gemma2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, final_logit_softcapping=5.0),
+    "phi3": lambda: __import__("transformers").Phi3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=0, bos_token_id=0),
+}
+
+
+def any_config(arch: str):
+    return _MORE[arch]() if arch in _MORE else tiny_config(arch)
+
+
 def llama(**overrides):
     return tiny_config("llama", vocab_size=V, **overrides)
 
@@ -115,6 +131,21 @@ def test_chunked_and_liger_give_the_models_own_loss_and_gradients(arch):
             torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{loss}: {name}")
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])  # gemma2: final-logit softcapping on every chunk
+def test_no_upcast_and_chunked_give_the_models_own_loss(arch):
+    cfg = any_config(arch)  # gemma2: a softcap of 5, which the random logits reach, so it matters
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32")
+    torch.manual_seed(0)
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    input_ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    ref_loss, ref_grads = _loss_and_grads(model, wl, input_ids)
+    for kw in ({"loss": "no-upcast"}, {"loss": "chunked"}, {"loss": "chunked", "loss_chunk_upcast": False}):
+        got_loss, got_grads = _loss_and_grads(model, Workload(**{**wl.__dict__, **kw}), input_ids)
+        torch.testing.assert_close(got_loss, ref_loss, msg=str(kw))
+        for name, g in got_grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=1e-4, msg=f"{kw}: {name}")
+
+
 def test_logits_to_keep_is_the_loss_of_the_last_positions():
     cfg = llama()
     wl = Workload(seq_len=32, micro_batch_size=2, precision="fp32", logits_to_keep=8)
@@ -150,6 +181,44 @@ def test_chunked_keeps_one_fp32_chunk_transient(chunks):
     # Each chunk's cross_entropy keeps two fp32 scalars (nll_loss's output and
     # total_weight), one 512-byte block each; the full loss keeps three.
     assert saved - 512 * (2 * chunks + 3) <= got <= saved
+
+
+def test_no_upcast_drops_the_fp32_copy_and_its_log_softmax():
+    cfg = llama()
+    # Pure bf16: ForCausalLMLoss holds the bf16 logits, their fp32 upcast and
+    # log_softmax's fp32 output (2+4+4 B per logit); without the upcast,
+    # log_softmax's output is bf16 (2+2 B per logit).
+    got = forward_peak(cfg, precision="bf16") - forward_peak(cfg, precision="bf16", loss="no-upcast")
+    # ForCausalLMLoss also holds a few fp32 scalars (its reduction), one 512-byte block each.
+    assert 6 * N * V <= got <= 6 * N * V + 512 * 4
+
+
+def test_chunked_without_upcast_keeps_no_fp32_chunk():
+    cfg = llama()
+    up = forward_peak(cfg, precision="bf16", loss="chunked", loss_chunks=4)
+    down = forward_peak(cfg, precision="bf16", loss="chunked", loss_chunks=4, loss_chunk_upcast=False)
+    # Per chunk, log_softmax's saved output is bf16 (2 B/logit) instead of fp32
+    # (4 B/logit), and the one live fp32 upcast (4 B/logit of a chunk) is gone.
+    assert up - down == 2 * N * V + 4 * N * V // 4
+
+
+def test_chunked_refuses_a_forward_it_cannot_read():
+    from llmem_plugin.loss import logit_transform
+
+    model = modelbuild.build_model(tiny_config("gpt2"), Workload(seq_len=16, precision="fp32"), device="cpu")
+    assert logit_transform(model)(torch.ones(2)).tolist() == [1.0, 1.0]  # GPT-2: the projection alone
+
+    class Odd(type(model)):
+        def forward(self, input_ids=None, **kwargs):
+            hidden_states = self.transformer(input_ids)[0]
+            logits = self.lm_head(hidden_states)
+            logits = logits.clamp(-1, 1)
+            loss = None
+            return logits, loss
+
+    model.__class__ = Odd
+    with pytest.raises(ConfigError, match="Odd.*clamp.*HINT"):
+        logit_transform(model)
 
 
 LIGER_CASES = {
@@ -209,6 +278,10 @@ FAKE_REAL = {
     "chunked-gc-lora": ("llama", Workload(seq_len=16, micro_batch_size=1, loss="chunked", grad_checkpointing=True,
                                           lora=LoraSpec(rank=4))),
     "keep": ("llama", Workload(seq_len=32, micro_batch_size=2, logits_to_keep=8)),
+    "no-upcast-bf16": ("llama", Workload(seq_len=32, micro_batch_size=2, loss="no-upcast", precision="bf16")),
+    "no-upcast-keep": ("qwen2", Workload(seq_len=32, micro_batch_size=2, loss="no-upcast", logits_to_keep=8)),
+    "chunked-noup-gemma2": ("gemma2", Workload(seq_len=32, micro_batch_size=2, loss="chunked", loss_chunks=4,
+                                               loss_chunk_upcast=False, precision="bf16")),
     "keep-hf-trainer": ("gpt2", Workload(seq_len=32, micro_batch_size=1, logits_to_keep=8, runner="hf-trainer")),
     "liger": ("llama", Workload(seq_len=32, micro_batch_size=1, loss="liger", grad_accum_steps=2)),
     "liger-bf16-tied": ("qwen2", Workload(seq_len=32, micro_batch_size=2, loss="liger", precision="bf16")),
@@ -220,7 +293,7 @@ FAKE_REAL = {
 @pytest.mark.parametrize("name", sorted(FAKE_REAL))
 def test_fake_trace_equals_real_cpu_run(name):
     arch, wl = FAKE_REAL[name]
-    cfg = tiny_config(arch)
+    cfg = any_config(arch)
     fake, real = fake_trace(cfg, wl), real_trace(cfg, wl)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.phase_peaks == real.phase_peaks
@@ -243,6 +316,7 @@ def test_unsupported_names_the_combination():
 
 
 def test_unmodelled_architecture_raises():
+    assert unsupported("zero3", Workload(loss="no-upcast")) is None  # the model's own forward: any method
     cfg = tiny_config("gpt2")
     wl = Workload(seq_len=16, micro_batch_size=1, precision="fp32", loss="liger")
     model = modelbuild.build_model(cfg, wl, device="cpu")
