@@ -153,7 +153,6 @@ def global_reduce_bytes(x: torch.Tensor, dims: Sequence[int] | None, *, acc_byte
     num_outputs = math.prod(s for s, o in zip(shp, out_st, strict=True) if o != 0) if shp else 1
     num_reduce_dims = sum(1 for o in out_st if o == 0)
     inputs_per_output = numel // num_outputs
-    elem = x.element_size()
     output_vec_size = 1
     vectorize_input = False
     if shp:
