@@ -32,7 +32,7 @@ from typing import Any
 from llmem_plugin import catalog
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["CPU_CASES", "GPU_CASES", "RUNNERS", "STUB_CASES", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
+__all__ = ["CPU_CASES", "GPU_CASES", "PUBLISHED_CASES", "RUNNERS", "STUB_CASES", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
 
 RUNNERS = ("torch", "hf-trainer", "tracker-cpu")
 _EXPECT = (None, "fit", "oom", "boundary")
@@ -399,6 +399,41 @@ CPU_CASES: list[Case] = [
 ]
 
 
+# Published configurations (benchmarks/published/measurements.jsonl, field
+# "reproduction") run as the estimator models them: the model class is
+# transformers', the recipe's memory-relevant settings are the publication's.
+# Where these measurements agree with the prediction but not with the
+# publication, the publication's setup differs from its transcription (its own
+# model code, a whole-run peak); where they disagree, the model of the recipe
+# is wrong. Sequence lengths are the publication's maximum (its data padded to
+# the longest sample, which the peak step reaches).
+_QV = ("q_proj", "v_proj")
+PUBLISHED_CASES = [
+    # huggingface/peft method_comparison/MetaMathQA (default_training_params.json): Llama-3.2-3B loaded in
+    # bf16 (pure bf16 AdamW), max_seq_length 768, batch 4, model(**batch).loss; adapters fp32 (autocast_adapter_dtype).
+    _case("llama-3.2-3b", "bf16", 768, 4, lora=LoraSpec(rank=32, alpha=64, target_modules=_QV), prefix="pub-peft-",
+          note="peft MetaMathQA lora/llama-3.2-3B-rank32"),
+    _case("llama-3.2-3b", "bf16", 768, 4, prefix="pub-peft-", note="peft MetaMathQA full-finetuning/llama-3.2-3B"),
+    # Lightning-AI/litgpt config_hub/finetune/*.yaml (precision bf16-true, max_seq_length 512, LoRA on query and
+    # value r 32 alpha 16 dropout 0.05); litgpt's chunked_cross_entropy on bf16 logits (no upcast).
+    _case("llama-3.2-1b", "bf16", 512, 4, loss="no-upcast", prefix="pub-litgpt-",
+          note="litgpt config_hub llama-3.2-1B/full.yaml"),
+    _case("llama-3.2-3b", "bf16", 512, 1, lora=LoraSpec(rank=32, alpha=16, target_modules=_QV, dropout=0.05),
+          loss="no-upcast", prefix="pub-litgpt-", note="litgpt config_hub llama-3.2-3B/lora.yaml"),
+    _case("llama-3.1-8b", "bf16", 512, 1, lora=LoraSpec(rank=32, alpha=16, target_modules=_QV, dropout=0.05),
+          loss="no-upcast", prefix="pub-litgpt-", note="litgpt config_hub llama-3.1-8b/lora.yaml"),
+    _case("llama-3.1-8b", "bf16", 512, 2, lora=LoraSpec(rank=32, alpha=16, target_modules=_QV, dropout=0.05),
+          quantize="nf4", kbit_prepare="off", optimizer="paged-adamw", loss="no-upcast", prefix="pub-litgpt-",
+          note="litgpt config_hub llama-3.1-8b/qlora.yaml: bnb.nf4, no k-bit preparation, bnb PagedAdamW"),
+    _case("mistral-7b", "bf16", 512, 2, lora=LoraSpec(rank=32, alpha=16, target_modules=_QV, dropout=0.05),
+          loss="no-upcast", prefix="pub-litgpt-", note="litgpt config_hub mistral-7b/lora.yaml"),
+    # pytorch/torchtune docs, LoRA tutorial (Llama-2-7B, lora_finetune_single_device): bf16, batch 2,
+    # max_seq_len 512, activation checkpointing, LoRA r 8 alpha 16 on q/v, nn.CrossEntropyLoss on bf16 logits.
+    _case("llama-2-7b", "bf16", 512, 2, gc=True, lora=LoraSpec(rank=8, alpha=16, target_modules=_QV),
+          loss="no-upcast", prefix="pub-torchtune-", note="torchtune LoRA tutorial, Llama-2-7B q/v rank 8"),
+]
+
+
 def find(ids: list[str], cases: list[Case]) -> list[Case]:
     """The cases named by ``ids``, in that order.
 
@@ -422,4 +457,4 @@ def _check_unique(cases: list[Case]) -> None:
 
 _check_unique(GPU_CASES + CPU_CASES)
 _check_unique(STUB_CASES)
-_check_unique(GPU_CASES + [c for c in STUB_CASES if c not in GPU_CASES] + CPU_CASES)
+_check_unique(GPU_CASES + [c for c in STUB_CASES if c not in GPU_CASES] + CPU_CASES + PUBLISHED_CASES)

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.groundtruth import rows
-from benchmarks.groundtruth.matrix import CPU_CASES, GPU_CASES, STUB_CASES, Case, find
+from benchmarks.groundtruth.matrix import CPU_CASES, GPU_CASES, PUBLISHED_CASES, STUB_CASES, Case, find
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_ERROR_ROWS", "main", "select_cases"]
 
@@ -69,7 +69,7 @@ def select_cases(device: str, ids: Sequence[str] | None) -> list[Case]:
         return list(STUB_CASES if device == "stub" else GPU_CASES)
     cpu_ids = {c.id for c in CPU_CASES}
     gpu_ids = {c.id for c in GPU_CASES}
-    picked = find(list(ids), GPU_CASES + [c for c in STUB_CASES if c.id not in gpu_ids] + CPU_CASES)
+    picked = find(list(ids), GPU_CASES + [c for c in STUB_CASES if c.id not in gpu_ids] + CPU_CASES + PUBLISHED_CASES)
     return [dataclasses.replace(c, runner="torch") if c.id in cpu_ids else c for c in picked]
 
 
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 def _list_cases() -> None:
     gpu_ids = {c.id for c in GPU_CASES}
     for title, cases in (("GPU cases", GPU_CASES), ("Stub cases (--device stub; [gpu]: also a GPU case)", STUB_CASES),
-                         ("CPU cases", CPU_CASES)):
+                         ("CPU cases", CPU_CASES), ("Published configurations (--only)", PUBLISHED_CASES)):
         print(f"{title} ({len(cases)}):")
         for c in cases:
             edge = f"  [edge: {c.expect}]" * c.edge + f"  {c.note}" * bool(c.note)

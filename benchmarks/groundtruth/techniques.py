@@ -139,7 +139,8 @@ def _build_quantized(case, *, device: str):
     # The checkpoint's weights in the compute dtype (from_pretrained(dtype=bf16) in the QLoRA recipe);
     # built in bf16 directly when that is the compute dtype, so no fp32 copy ever exists.
     compute = _compute_dtype(wl)
-    plain = dataclasses.replace(wl, quantize=None, double_quant=False, lora=None, grad_checkpointing=False,
+    plain = dataclasses.replace(wl, quantize=None, double_quant=False, kbit_prepare="on", lora=None,
+                                grad_checkpointing=False,
                                 precision="bf16" if compute == torch.bfloat16 else wl.precision)
     model = modelbuild.build_model(case.config(), plain, device=device).to(compute)
     originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Conv1D)}

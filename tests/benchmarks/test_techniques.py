@@ -95,6 +95,14 @@ def test_4bit_layout_is_bitsandbytes_packing(quant, dq):
     assert trainable == 2 * 4 * ((64 + 64) * 2 + (64 + 32) * 2)
 
 
+def test_qlora_without_kbit_preparation_keeps_16bit_parameters():
+    case = tiny_case(precision="bf16", lora=LoraSpec(rank=4), quantize="nf4", kbit_prepare="off")
+    model = build(case)
+    frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.dtype != torch.uint8}
+    assert frozen == {torch.bfloat16}  # norms and embeddings stay bf16 (prepare_model_for_kbit_training would make them fp32)
+    train(model, case)
+
+
 def test_qlora_trains_adapters_only_on_cpu():
     case = tiny_case(precision="bf16-mixed", lora=LoraSpec(rank=4), quantize="nf4", double_quant=True)
     model = build(case)
@@ -172,6 +180,8 @@ def test_chunked_loss_equals_the_models_own_loss():
         grad = torch.autograd.grad(loss, model.lm_head.weight)[0]
         torch.testing.assert_close(loss, ref)
         torch.testing.assert_close(grad, ref_grad)
+    loss = techniques.no_upcast_loss(model, x, x)  # fp32 model: the same cross-entropy without the .float()
+    torch.testing.assert_close(loss, ref)
 
 
 @pytest.mark.parametrize("keep", [SEQ, 8])
@@ -245,6 +255,8 @@ def test_save_on_cpu_keeps_gradients():
 
 TRAINABLE_ON_CPU = [
     {"precision": "bf16-mixed", "loss": "chunked"},
+    {"precision": "bf16", "loss": "chunked", "loss_chunk_upcast": False},
+    {"precision": "bf16", "loss": "no-upcast"},
     {"precision": "bf16-mixed", "logits_to_keep": 8},
     {"precision": "bf16-mixed", "offload_activations": "save-on-cpu", "grad_checkpointing": True},
     {"precision": "bf16-mixed", "lora": LoraSpec(rank=4), "reference_model": True},
