@@ -713,7 +713,11 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
 
 def _parser_validate(sub) -> None:
     p = sub.add_parser("validate", help="re-predict measured runs (ground-truth JSONL) and report the %% error")
-    p.add_argument("file", metavar="FILE.jsonl", help="rows written by benchmarks/groundtruth")
+    p.add_argument("file", metavar="FILE.jsonl", nargs="?", default=None,
+                   help="rows written by benchmarks/groundtruth (not with --published)")
+    p.add_argument("--published", nargs="?", const="", default=None, metavar="FILE",
+                   help="re-predict third-party published figures (default: benchmarks/published/measurements.jsonl "
+                        "of a source checkout) and print the signed error per metric")
     p.add_argument("--gpu", default=None, help="predict CUDA rows for this catalog GPU instead of each row's own")
     p.add_argument("--fast", action="store_true", help="predict with the layer-extrapolating fast mode")
     p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
@@ -721,8 +725,17 @@ def _parser_validate(sub) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from llmem_plugin.errors import ConfigError
     from llmem_plugin.validate import load_rows, validate_rows
 
+    if args.published is not None:
+        if args.file:
+            raise ConfigError(f"validate takes a ground-truth FILE or --published, not both (got {args.file}). "
+                              "HINT: pass the published set as --published FILE")
+        return _validate_published(args)
+    if not args.file:
+        raise ConfigError("validate needs a ground-truth FILE.jsonl. HINT: llmem validate ROWS.jsonl, "
+                          "or llmem validate --published")
     rows = load_rows(args.file)
     if args.gpu:
         from llmem_plugin.gpus import get_gpu
@@ -737,6 +750,34 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         from llmem_plugin.report import render_validation
 
         render_validation(report, Console())
+    return 0
+
+
+def _validate_published(args: argparse.Namespace) -> int:
+    from llmem_plugin.published import load_published, validate_published
+
+    result = validate_published(load_published(args.published or None))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for metric, s in result["summary"].items():
+        table = Table(title=f"{metric}: {s['rows']} rows, mean |err| {s['mean_abs_pct']:.1f}%, "
+                            f"mean signed {s['mean_signed_pct']:+.1f}%, max |err| {s['max_abs_pct']:.1f}%")
+        for col in ("id", "measured GiB", "predicted GiB", "error"):
+            table.add_column(col, overflow="fold")
+        for r in result["rows"]:
+            if r["metric"] == metric and r["error_pct"] is not None:
+                table.add_row(r["id"], f"{r['measured'] / 2**30:.2f}", f"{r['predicted'] / 2**30:.2f}",
+                              f"{r['error_pct']:+.1f}%")
+        console.print(table)
+    refused = [r for r in result["rows"] if r["status"] == "modelled" and r["error"]]
+    for r in refused:
+        console.print(f"refused: {r['id']}: {r['error']}")
+    console.print(f"{result['unsupported']} rows not modelled (their reasons: --json, or the file's 'why')")
     return 0
 
 

@@ -1,0 +1,150 @@
+"""Third-party published GPU memory figures, re-predicted.
+
+``benchmarks/published/measurements.jsonl`` holds one row per figure a
+framework's docs, a repository's result table or a tutorial published for a
+named configuration: its source (URL, the table or line, the quoted text,
+date), the framework and versions, the card, the metric and the value, and
+the configuration transcribed into this tool's terms (catalog model, config
+overrides, workload). ``status`` is ``modelled`` when the tool can estimate
+the transcription, else ``unsupported`` with ``why``; ``why`` on a modelled
+row names what the transcription cannot carry (the publication's own model
+code, a whole-run peak), so a large error is read against it.
+
+Metrics and what each is compared with:
+
+==================== ========================================================
+``allocated``        ``max_memory_allocated`` (also torchtune's peak *active*
+                     bytes): the estimate's peak allocated
+``reserved``         ``max_memory_reserved``: peak reserved
+``reserved_above_init`` peak reserved minus what was reserved after loading
+                     (peft's MetaMathQA ``accelerator_memory_max``): peak
+                     reserved minus the parameters' bytes
+``device``           NVML / nvidia-smi used memory: device total
+==================== ========================================================
+
+:func:`validate_published` predicts every modelled row (fast mode, which
+equals the full trace to the byte) and reports the signed error per metric.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmem_plugin.errors import ConfigError, LLMemError
+
+__all__ = ["METRICS", "PublishedCheck", "default_path", "load_published", "validate_published"]
+
+METRICS = ("allocated", "reserved", "reserved_above_init", "device")
+_UNITS = {"GB": 10**9, "GiB": 2**30, "MiB": 2**20, "MB": 10**6}
+_STATUSES = ("modelled", "unsupported")
+_REQUIRED = ("id", "source", "metric", "value", "unit", "status", "why")
+
+
+def default_path() -> Path:
+    """The set shipped in a source checkout: ``benchmarks/published/measurements.jsonl``."""
+    return Path(__file__).resolve().parents[1] / "benchmarks" / "published" / "measurements.jsonl"
+
+
+def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """The rows of a published set, checked.
+
+    Raises:
+        ConfigError: The file is missing or a row breaks the schema.
+    """
+    p = Path(path) if path is not None else default_path()
+    if not p.is_file():
+        raise ConfigError(f"no published set at {p}. HINT: run from a source checkout, or pass --published FILE")
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}:{n}: not JSON ({e.msg}). HINT: one JSON object per line") from None
+        missing = [k for k in _REQUIRED if k not in row]
+        if missing:
+            raise ConfigError(f"{p}:{n}: row lacks {', '.join(missing)}. HINT: see llmem_plugin/published.py")
+        if row["status"] not in _STATUSES:
+            raise ConfigError(f"{p}:{n}: status {row['status']!r}; valid: {', '.join(_STATUSES)}")
+        if row["status"] == "modelled":
+            if row["metric"] not in METRICS:
+                raise ConfigError(f"{p}:{n}: metric {row['metric']!r}; valid: {', '.join(METRICS)}")
+            if row["unit"] not in _UNITS:
+                raise ConfigError(f"{p}:{n}: unit {row['unit']!r}; valid: {', '.join(_UNITS)}")
+            if not row.get("model") or not isinstance(row.get("workload"), dict):
+                raise ConfigError(f"{p}:{n}: a modelled row needs model and workload")
+        if not (row["source"] or {}).get("url") or not (row["source"] or {}).get("quote"):
+            raise ConfigError(f"{p}:{n}: source needs url and quote")
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class PublishedCheck:
+    """One published figure against its prediction (bytes; error in percent, signed)."""
+
+    id: str
+    metric: str
+    status: str
+    measured: int | None = None
+    predicted: int | None = None
+    error_pct: float | None = None
+    why: str = ""
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "metric": self.metric, "status": self.status, "measured": self.measured,
+                "predicted": self.predicted, "error_pct": self.error_pct, "why": self.why, "error": self.error}
+
+
+def _predict(row: dict[str, Any]) -> int:
+    from llmem_plugin import catalog
+    from llmem_plugin.estimate import estimate
+    from llmem_plugin.tracker import MemoryCategory
+    from llmem_plugin.validate import _workload
+
+    config = catalog.load_config(row["model"], row.get("config_overrides") or None)
+    est = estimate(config, _workload(row["workload"]), fast=True, gpu=row.get("gpu") or "h100-sxm")
+    metric = row["metric"]
+    if metric == "allocated":
+        return est.peak_allocated_bytes
+    if metric == "reserved":
+        return est.peak_reserved_bytes
+    if metric == "reserved_above_init":
+        return est.peak_reserved_bytes - est.breakdown.get(MemoryCategory.PARAMETER, 0)
+    return est.device_total_bytes
+
+
+def check_published(row: dict[str, Any]) -> PublishedCheck:
+    """Predict one row (unsupported rows come back with their reason only)."""
+    check = PublishedCheck(id=row["id"], metric=row["metric"], status=row["status"], why=row.get("why", ""))
+    if row["status"] != "modelled":
+        return check
+    check.measured = round(float(row["value"]) * _UNITS[row["unit"]])
+    try:
+        check.predicted = _predict(row)
+    except LLMemError as e:  # the transcription is refused: say so, do not estimate something else
+        check.error = str(e)
+        return check
+    check.error_pct = 100.0 * (check.predicted - check.measured) / check.measured
+    return check
+
+
+def validate_published(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every row checked, and per metric the count, mean |error|, mean signed error and max |error|."""
+    checks = [check_published(r) for r in rows]
+    summary = {}
+    for metric in METRICS:
+        errs = [c.error_pct for c in checks if c.metric == metric and c.error_pct is not None]
+        if errs:
+            summary[metric] = {"rows": len(errs), "mean_abs_pct": sum(map(abs, errs)) / len(errs),
+                               "mean_signed_pct": sum(errs) / len(errs), "max_abs_pct": max(map(abs, errs)),
+                               "within_10pct": sum(abs(e) <= 10 for e in errs)}
+    return {"rows": [c.to_dict() for c in checks], "summary": summary,
+            "unsupported": sum(c.status == "unsupported" for c in checks)}
