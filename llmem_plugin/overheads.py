@@ -15,12 +15,10 @@ Sources are cited beside each rule. Where a figure is measured in a PR rather
 than documented, the comment says so.
 
 Known limitations:
-    * The CUDA context figure is a PyTorch PR's measurement of an empty
-      context (CUDA 11.7 era). On an H200 with CUDA 13 a training process
-      holds 767 MiB outside the allocator (``MEASURED_CONTEXT_BYTES_H200_CUDA13``),
-      so device totals come out about 480 MiB under there. The driver's own
-      reservation (NVML v2 "reserved", 615 MiB on that H200) is not the
-      process's and is not added.
+    * The CUDA context figure (context and the kernel modules a step loads)
+      was measured on one stack (H200, driver 580, CUDA 13.0); other drivers
+      and cards differ by tens of MiB. The driver's own reservation (NVML v2
+      "reserved", 615 MiB on that H200) is not the process's and is not added.
     * cuBLASLt's per-call workspace of torch 2.6-2.9 (freed after each call,
       1 MiB) is not modelled.
 """
@@ -43,18 +41,19 @@ __all__ = [
 
 _MiB = 1024 * 1024
 
-# pytorch/pytorch PR #86509 (lazy CUDA module loading by default): the PR
-# measured the CUDA context at 287,047,680 B with lazy loading (666,632,192 B
-# eager). Lazy loading is the driver default since CUDA 12.2 (NVIDIA CUDA
-# programming guide, "Lazy Loading"), and PyTorch set it itself before 2.10.
-# Measured on an H200 (driver 580.159.04, CUDA 13.0, torch 2.11, 2026-11-27;
-# benchmarks/groundtruth/context_probe.py, data/h200-context-2026-11-27.json):
-# the context and the kernel modules a step loads hold 804,061,184 B outside
-# the allocator (real steps: 748-764 MiB), so this figure is low on today's
-# stack; adopting the measurement is pending (it moves the planner tests'
-# hand-set budgets, which are written against this figure).
-CUDA_CONTEXT_BYTES = 287_047_680
-MEASURED_CONTEXT_BYTES_H200_CUDA13 = 804_061_184
+# What a training process holds outside the allocator once a step has run:
+# the CUDA context plus the kernel modules lazy loading brings in on first use
+# (cuBLAS for the forward's and the backward thread's handles, SDPA, the
+# optimizer kernels). Measured by benchmarks/groundtruth/context_probe.py on an
+# H200 (driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, 2026-11-27; data in
+# benchmarks/groundtruth/data/h200-context-2026-11-27.json): NVML used minus
+# the driver's own reservation (NVML v2 "reserved", 615 MiB, there before the
+# process starts) minus memory_reserved, after the last stage. 33 real steps
+# there measured 748-764 MiB (h200-2026-11-27.jsonl), below this figure
+# because not every step loads every kernel family. PyTorch PR #86509 had
+# measured 287,047,680 B with lazy loading on CUDA 11.7, far below what
+# today's stack holds.
+CUDA_CONTEXT_BYTES = 804_061_184
 
 # aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize(): the
 # default cuBLAS workspace is ":4096:8" (32 MiB) on the listed architectures
