@@ -114,68 +114,78 @@ _IMAGES = _int_arg("--images", 1, 64, "images per sample; beyond any vision-lang
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
-    p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--task", default=None,
+    g = p.add_argument_group("model and batch")
+    g.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
+    g.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    g.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
                         "image-text-to-text, masked-lm (default: the class the config's architectures names; "
                         "docs/models.md)")
-    p.add_argument("--images", type=_IMAGES, default=None,
+    g.add_argument("--images", type=_IMAGES, default=None,
                    help="images per sample of a vision-language model (default 1)")
-    p.add_argument("--freeze-vision", action="store_true",
+    g.add_argument("--freeze-vision", action="store_true",
                    help="keep a vision-language model's vision tower frozen")
-    p.add_argument("--target-len", type=_TARGET_LEN, default=None,
+    g.add_argument("--target-len", type=_TARGET_LEN, default=None,
                    help="target tokens per sequence of a seq2seq model (default: --seq-len)")
-    p.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
-    p.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
-    p.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
-    p.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
+    g.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
+    g.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
+    g = p.add_argument_group("activation checkpointing", "what the backward recomputes instead of keeping")
+    g.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    g.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
                    help="with --grad-checkpointing, checkpoint every K-th layer only (torchtitan's layer-level "
                         "selective AC; default 1: every layer)")
     _add_step_args(p)
 
 
 def _add_step_args(p: argparse.ArgumentParser) -> None:
-    """Workload settings the planner keeps as the user set them."""
-    p.add_argument("--precision", default=None,
+    """Workload settings the planner keeps as the user set them, in groups."""
+    g = p.add_argument_group("numerics and optimizer")
+    g.add_argument("--precision", default=None,
                    help="fp32, bf16-mixed, fp16-mixed or bf16 (default: bf16-mixed; bf16 for MoE models whose "
                         "experts run grouped_mm, which takes bf16 weights only; the choice is printed)")
-    p.add_argument("--optimizer", default="adamw",
+    g.add_argument("--optimizer", default="adamw",
                    help="adamw (foreach, default), adamw-fused, adamw-forloop, sgd, adafactor, and bitsandbytes' "
                         "adamw8bit, paged-adamw or paged-adamw8bit")
-    p.add_argument("--attn", default="auto",
+    g.add_argument("--attn", default="auto",
                    help="attention implementation: auto (transformers' default: sdpa where supported), sdpa, eager "
                         "or flash_attention_2")
-    p.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
+    g = p.add_argument_group("QLoRA", "quantized frozen base weights (bitsandbytes) and how the recipe prepares them; "
+                             "the report states the preparation assumed")
+    g.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
                    help="bitsandbytes weights for the frozen base model (QLoRA; needs --lora-rank)")
-    p.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
-    p.add_argument("--kbit-prepare", default="on", metavar="{on,off}",
+    g.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
+    g.add_argument("--kbit-prepare", default="on", metavar="{on,off}",
                    help="with --quantize, whether peft's prepare_model_for_kbit_training runs: on (every 16-bit "
                         "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit)")
-    p.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked}",
+    g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
+                                          "path assumed (docs/techniques/loss.md)")
+    g.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked}",
                    help="loss: hf (the model's own, logits upcast to fp32; default), no-upcast (cross-entropy on "
                         "the logits' own dtype, e.g. bf16), liger (fused linear cross-entropy) or chunked "
                         "(torchtune's chunked-output cross-entropy)")
-    p.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
-    p.add_argument("--loss-chunk-upcast", default="on", choices=("on", "off"),
+    g.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
+    g.add_argument("--loss-chunk-upcast", default="on", choices=("on", "off"),
                    help="with --loss chunked: upcast each chunk's logits to fp32 (on, torchtune) or not (off)")
-    p.add_argument("--logits-to-keep", type=_LOGITS_TO_KEEP, default=0,
+    g.add_argument("--logits-to-keep", type=_LOGITS_TO_KEEP, default=0,
                    help="compute logits and loss for only the last N tokens (default 0: all)")
-    p.add_argument("--offload-activations", nargs="?", const="streamed", default=None,
+    g = p.add_argument_group("activations and reference model")
+    g.add_argument("--offload-activations", nargs="?", const="streamed", default=None,
                    metavar="{streamed,save-on-cpu}",
                    help="offload saved activations to pinned host memory: streamed (TRL/torchtune "
                         "OffloadActivations, the default when given bare) or save-on-cpu (torch.autograd.graph)")
-    p.add_argument("--reference-model", action="store_true",
+    g.add_argument("--reference-model", action="store_true",
                    help="also run a frozen reference model's forward each step, as DPO does")
-    p.add_argument("--lora-rank", type=_LORA_RANK, default=None, help="enable LoRA with this rank")
-    p.add_argument("--lora-alpha", type=_float_arg("--lora-alpha", 0, 1e6, low_open=True, example="32"), default=None, help="LoRA alpha (default 2 x rank)")
-    p.add_argument("--lora-targets", default=None,
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora-rank", type=_LORA_RANK, default=None, help="enable LoRA with this rank")
+    g.add_argument("--lora-alpha", type=_float_arg("--lora-alpha", 0, 1e6, low_open=True, example="32"), default=None, help="LoRA alpha (default 2 x rank)")
+    g.add_argument("--lora-targets", default=None,
                    help="comma-separated module names (default q_proj,k_proj,v_proj,o_proj), or all-linear")
-    p.add_argument("--lora-dropout", type=_float_arg("--lora-dropout", 0, 1, high_open=True, example="0.05"),
+    g.add_argument("--lora-dropout", type=_float_arg("--lora-dropout", 0, 1, high_open=True, example="0.05"),
                    default=None, help="LoRA dropout (default 0)")
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
+    p = p.add_argument_group("GPU and environment")
     p.add_argument("--gpu", default=None, help="GPU from `llmem gpus` (default h100-sxm)")
     p.add_argument("--gpu-memory", default=None,
                    help="override the GPU's capacity, e.g. 80GiB, 40GB, 81920MiB, or a number of GiB")
@@ -189,6 +199,7 @@ def _add_host_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     _add_gpu_args(p)
+    p = p.add_argument_group("allocator and torch version")
     p.add_argument("--alloc-conf", default=None,
                    help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
     p.add_argument("--torch-version", default=None,
@@ -362,20 +373,22 @@ def _parser_estimate(sub) -> None:
     p = sub.add_parser("estimate", help="peak GPU memory of one fine-tuning step on one GPU")
     _add_workload_args(p)
     _add_target_args(p)
-    p.add_argument("--method", default=None,
+    g = p.add_argument_group("distributed method")
+    g.add_argument("--method", default=None,
                    help="distributed method (`--method help` lists them), or 'all' for every one that "
                         "applies (the default when --gpus/--tp/--nodes/--offload is given); default: one GPU")
-    p.add_argument("--gpus", type=_GPUS, default=None, help="world size: GPUs over all nodes (default 1)")
-    p.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
-    p.add_argument("--tp", type=_TP, default=None, help="tensor-parallel degree, inside a node (default 1)")
-    p.add_argument("--offload", choices=("optimizer", "params"), default=None,
+    g.add_argument("--gpus", type=_GPUS, default=None, help="world size: GPUs over all nodes (default 1)")
+    g.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
+    g.add_argument("--tp", type=_TP, default=None, help="tensor-parallel degree, inside a node (default 1)")
+    g.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="CPU offload: optimizer states, or parameters too (ZeRO, FSDP)")
-    p.add_argument("--sequence-parallel", action="store_true",
+    g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallel for the tensor-parallel methods (tp, dp-tp, fsdp-tp)")
-    p.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
-    p.add_argument("--plot", default=None, metavar="FILE",
+    g = p.add_argument_group("output")
+    g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    g.add_argument("--json", action="store_true", help="print the estimate as JSON")
     _add_host_arg(p)
     p.set_defaults(func=_cmd_estimate)
 
@@ -729,6 +742,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from llmem_plugin.validate import load_rows, validate_rows
 
     if args.published is not None:
+        if args.gpu or args.fast:
+            raise ConfigError("--published predicts each row for its own GPU, in fast mode (equal to the full "
+                              "trace); --gpu and --fast do not apply. HINT: drop them")
         if args.file:
             raise ConfigError(f"validate takes a ground-truth FILE or --published, not both (got {args.file}). "
                               "HINT: pass the published set as --published FILE")

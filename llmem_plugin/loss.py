@@ -17,9 +17,10 @@ module runs the others through the real model:
   softcapping or scaling included), then ``ForCausalLMLoss``'s steps without
   its ``logits.float()``: labels padded and shifted, ``cross_entropy`` on the
   logits in their own dtype. Trainers that call ``F.cross_entropy`` on bf16
-  logits (LitGPT's ``chunked_cross_entropy``, torchtune before its chunked
-  loss) keep a log-softmax the logits' size, not an fp32 copy and its
-  gradient. Works for every causal LM and under every method.
+  logits (LitGPT's ``chunked_cross_entropy`` without an lm_head chunk size)
+  keep a log-softmax the logits' size, not an fp32 copy and its gradient.
+  Works for every causal LM (not with ``output_router_logits``, whose router
+  loss the model adds only with labels) and under every method.
 * ``"chunked"``: torchtune 0.6.1 ``CEWithChunkedOutputLoss``
   (``torchtune/modules/loss/ce_chunked_output_loss.py``) fed by
   ``TransformerDecoder.chunked_output`` (``torchtune/modules/transformer.py``):
@@ -141,12 +142,12 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         raise ConfigError(reason)
     if workload.loss is LossImpl.HF:
         return _hf_logits_to_keep(model, causal_lm, input_ids, labels, workload.logits_to_keep)
-    if workload.loss is LossImpl.NO_UPCAST:
-        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
     arch = causal_lm.config.model_type
     if getattr(causal_lm.config, "output_router_logits", False):
         raise ConfigError(f"--loss {workload.loss.value} with output_router_logits on '{arch}' is not modelled "
                           "(the router loss is added by the model's own forward). HINT: use --loss hf")
+    if workload.loss is LossImpl.NO_UPCAST:
+        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
     if workload.loss is LossImpl.CHUNKED:
         head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm))
     else:
@@ -220,7 +221,16 @@ _SOFTCAP = ("if self.config.final_logit_softcapping is not None:",
             "logits = logits / self.config.final_logit_softcapping",
             "logits = torch.tanh(logits)",
             "logits = logits * self.config.final_logit_softcapping")
-_HEAD_LINE = re.compile(r"^(\w+) = self\.(lm_head|embed_out)\(hidden_states")
+# The whole statement: the projection of the (optionally sliced) hidden states
+# and nothing else on the line (a trailing `* multiplier` or `.float()` fails it).
+_HEAD_LINE = re.compile(r"^(\w+) = self\.(lm_head|embed_out)\(hidden_states(\[[^\]]*\])?\)(\.contiguous\(\))?$")
+# Before the projection the forward may only take the base model's output
+# (`hidden_states = outputs.last_hidden_state` / `outputs[0]`) and slice it to
+# the kept positions (transformers 5.24 `slice_logits_to_keep`); any other
+# statement that computes hidden_states from itself (MiniCPM3's scaling) is
+# not reproduced. OPT's trailing `.contiguous()` copies nothing (the
+# projection's output is contiguous).
+_SELF_TRANSFORM = re.compile(r"^hidden_states = (?!slice_logits_to_keep\(hidden_states, logits_to_keep\)$).*\bhidden_states\b")
 
 
 def logit_transform(causal_lm: PreTrainedModel):
@@ -245,6 +255,10 @@ def logit_transform(causal_lm: PreTrainedModel):
         raise ConfigError(f"--loss chunked is not modelled for '{cls.__name__}': its forward does not compute "
                           "logits from the output projection in one recognised statement. HINT: use --loss hf "
                           "or --loss no-upcast for this model")
+    before = [ln for ln in lines[:start] if _SELF_TRANSFORM.match(ln)]
+    if before:
+        raise ConfigError(f"--loss chunked is not modelled for '{cls.__name__}': its forward runs {before[0]!r} "
+                          "before the output projection. HINT: use --loss hf or --loss no-upcast")
     between = tuple(lines[start + 1:end])
     cfg = causal_lm.config
     if not between:

@@ -16,9 +16,10 @@ Metrics and what each is compared with:
 ``allocated``        ``max_memory_allocated`` (also torchtune's peak *active*
                      bytes): the estimate's peak allocated
 ``reserved``         ``max_memory_reserved``: peak reserved
-``reserved_above_init`` peak reserved minus what was reserved after loading
-                     (peft's MetaMathQA ``accelerator_memory_max``): peak
-                     reserved minus the parameters' bytes
+``reserved_above_init`` peak reserved minus what was reserved at a start
+                     point the row gives in ``init_reserved_bytes`` (peft's
+                     MetaMathQA ``accelerator_memory_max``: reserved after a
+                     1x1 ``nn.Linear``, before the model loads)
 ``device``           NVML / nvidia-smi used memory: device total
 ==================== ========================================================
 
@@ -78,7 +79,21 @@ def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]
                 raise ConfigError(f"{p}:{n}: unit {row['unit']!r}; valid: {', '.join(_UNITS)}")
             if not row.get("model") or not isinstance(row.get("workload"), dict):
                 raise ConfigError(f"{p}:{n}: a modelled row needs model and workload")
-        if not (row["source"] or {}).get("url") or not (row["source"] or {}).get("quote"):
+            if isinstance(row["value"], bool) or not isinstance(row["value"], (int, float)) or row["value"] <= 0:
+                raise ConfigError(f"{p}:{n}: value {row['value']!r} is not a positive number. HINT: the figure as "
+                                  "published, in unit")
+            if row["metric"] == "reserved_above_init" and not isinstance(row.get("init_reserved_bytes"), int):
+                raise ConfigError(f"{p}:{n}: metric reserved_above_init needs init_reserved_bytes (an integer)")
+            from llmem_plugin import catalog
+            from llmem_plugin.validate import _workload
+
+            if catalog.lookup(row["model"]) is None:
+                raise ConfigError(f"{p}:{n}: model {row['model']!r} is not in the catalog. HINT: llmem models")
+            try:
+                _workload(row["workload"])
+            except TypeError as e:  # an unknown Workload field
+                raise ConfigError(f"{p}:{n}: workload {e}. HINT: the fields of llmem_plugin.workload.Workload") from None
+        if not isinstance(row["source"], dict) or not row["source"].get("url") or not row["source"].get("quote"):
             raise ConfigError(f"{p}:{n}: source needs url and quote")
         rows.append(row)
     return rows
@@ -106,7 +121,6 @@ class PublishedCheck:
 def _predict(row: dict[str, Any]) -> int:
     from llmem_plugin import catalog
     from llmem_plugin.estimate import estimate
-    from llmem_plugin.tracker import MemoryCategory
     from llmem_plugin.validate import _workload
 
     config = catalog.load_config(row["model"], row.get("config_overrides") or None)
@@ -117,7 +131,7 @@ def _predict(row: dict[str, Any]) -> int:
     if metric == "reserved":
         return est.peak_reserved_bytes
     if metric == "reserved_above_init":
-        return est.peak_reserved_bytes - est.breakdown.get(MemoryCategory.PARAMETER, 0)
+        return est.peak_reserved_bytes - row["init_reserved_bytes"]
     return est.device_total_bytes
 
 

@@ -33,6 +33,16 @@ TINY_CONFIGS = {
 }
 
 
+def room(gib: float) -> int:
+    """A GPU memory size for tests that sit a budget near a fit: the CUDA
+    context the estimator adds outside the allocator
+    (``llmem_plugin.overheads.CUDA_CONTEXT_BYTES``) plus ``gib`` GiB for the
+    allocator, so the budget keeps its meaning when the context figure moves."""
+    from llmem_plugin.overheads import CUDA_CONTEXT_BYTES
+
+    return CUDA_CONTEXT_BYTES + int(gib * 2**30)
+
+
 def tiny_config(arch: str, **overrides):
     cls, kwargs = TINY_CONFIGS[arch]
     return cls(**{**kwargs, **overrides})

@@ -238,6 +238,11 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True)
     import torch.nn.functional as F
 
     lm = _causal_lm(model)
+    cfg = lm.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None) \
+            or getattr(cfg, "logit_scale", None):
+        # The estimator applies the model's own logit transform per chunk; this plain-torch path does not.
+        raise ValueError(f"loss chunked on {cfg.model_type} (softcapped or scaled logits) is not a ground-truth path")
     hidden = lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
     head = lm.get_output_embeddings()
     chunks = [head(h) for h in hidden.chunk(num_chunks, dim=1)]

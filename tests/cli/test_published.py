@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from llmem_plugin import catalog
 from llmem_plugin.cli import main
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.estimate import estimate
 from llmem_plugin.published import METRICS, check_published, default_path, load_published
-from llmem_plugin.validate import _workload
+
+_UNIT = {"GB": 10**9, "GiB": 2**30, "MiB": 2**20}
+
+
+def _quote_carries(row) -> bool:
+    """The quote holds the figure as printed, or as raw bytes that convert to it."""
+    quote, value = row["source"]["quote"], row["value"]
+    if str(value).rstrip("0").rstrip(".") in quote:
+        return True
+    raw = [int(x) for x in re.findall(r"\d{7,}", quote)]
+    return any(abs(x / _UNIT[row["unit"]] - value) < 0.001 for x in raw)
 
 
 def test_shipped_set_has_sources_and_enough_modelled_rows():
@@ -25,17 +35,24 @@ def test_shipped_set_has_sources_and_enough_modelled_rows():
         assert r["status"] == "modelled" or r["why"]  # every row the tool cannot estimate says why
     for r in modelled:
         assert r["metric"] in METRICS and catalog.lookup(r["model"]) == r["model"]
-        # The quoted source text carries the figure (as printed, or as raw bytes converted).
-        assert str(r["value"]).rstrip("0").rstrip(".") in r["source"]["quote"] or r["unit"] == "GiB"
+        assert _quote_carries(r), r["id"]
 
 
-def test_a_row_is_predicted_by_estimate_and_the_error_is_signed(tmp_path):
-    row = next(r for r in load_published() if r["id"] == "rt-lora-llama2-7b-mb1-bf16")
-    check = check_published(row)
-    est = estimate(catalog.load_config(row["model"]), _workload(row["workload"]), fast=True, gpu=row["gpu"])
-    assert check.predicted == est.peak_allocated_bytes
-    assert check.measured == round(row["value"] * 10**9)  # lit-gpt prints max_memory_allocated() / 1e9
-    assert check.error_pct == pytest.approx(100 * (check.predicted - check.measured) / check.measured)
+def _row(**kw):
+    base = {"id": "t", "source": {"url": "https://example.org", "quote": "x"}, "status": "modelled", "why": "",
+            "model": "gpt2", "gpu": "h100-sxm", "unit": "GB", "metric": "allocated", "value": 1.0,
+            "workload": {"seq_len": 64, "precision": "bf16"}}
+    return {**base, **kw}
+
+
+def test_units_the_signed_error_and_the_start_point_of_reserved_above_init():
+    gb, mib = check_published(_row(value=1.0, unit="GB")), check_published(_row(value=1000.0, unit="MiB"))
+    assert gb.measured == 10**9 and mib.measured == 1000 * 2**20
+    assert gb.predicted == mib.predicted  # the same prediction, compared in bytes
+    assert gb.error_pct == pytest.approx(100 * (gb.predicted - 10**9) / 10**9)
+    reserved = check_published(_row(metric="reserved"))
+    above = check_published(_row(metric="reserved_above_init", init_reserved_bytes=2 * 2**20))
+    assert reserved.predicted - above.predicted == 2 * 2**20
 
 
 def test_cli_published_on_a_small_file(tmp_path, capsys):
@@ -49,12 +66,30 @@ def test_cli_published_on_a_small_file(tmp_path, capsys):
     assert "allocated: 1 rows" in capsys.readouterr().out
 
 
-def test_bad_published_input_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"value": "abc"}, "not a positive number"),
+    ({"value": 0}, "not a positive number"),
+    ({"model": "no-such-model"}, "not in the catalog"),
+    ({"source": "x"}, "source needs url and quote"),
+    ({"metric": "reserved_above_init"}, "init_reserved_bytes"),
+])
+def test_bad_rows_are_one_line(tmp_path, fields, match):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_row(**fields)) + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_published(bad)
+
+
+def test_bad_published_input_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    with pytest.raises(ConfigError, match="lacks"):
-        load_published(bad)
+    assert main(["validate", "--published", str(bad)]) == 2
     assert main(["validate", "--published", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["validate"]) == 2
-    assert "HINT" in capsys.readouterr().err
+    assert main(["validate", "--published", "--gpu", "a10g"]) == 2
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps(_row(workload={"seq_len": 64, "no_such_field": 1})) + "\n")
+    assert main(["validate", "--published", str(unknown)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("HINT") >= 4 and "Traceback" not in err
     assert default_path().name == "measurements.jsonl"

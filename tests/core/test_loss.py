@@ -220,6 +220,32 @@ def test_chunked_refuses_a_forward_it_cannot_read():
     with pytest.raises(ConfigError, match="Odd.*clamp.*HINT"):
         logit_transform(model)
 
+    class Scaled(type(model)):  # a multiplier on the projection's own line (FalconH1's lm_head_multiplier)
+        def forward(self, input_ids=None, **kwargs):
+            hidden_states = self.transformer(input_ids)[0]
+            logits = self.lm_head(hidden_states) * 2.0
+            loss = None
+            return logits, loss
+
+    model.__class__ = Scaled
+    with pytest.raises(ConfigError, match="Scaled.*HINT"):
+        logit_transform(model)
+    # MiniCPM3 scales the hidden states before its projection (transformers' own source).
+    import transformers
+
+    minicpm = transformers.MiniCPM3ForCausalLM.__new__(transformers.MiniCPM3ForCausalLM)
+    with pytest.raises(ConfigError, match="MiniCPM3ForCausalLM.*hidden_states / self.config.logits_scaling"):
+        logit_transform(minicpm)
+
+
+def test_no_upcast_refuses_the_router_loss():
+    cfg = tiny_config("mixtral", output_router_logits=True)
+    wl = Workload(seq_len=16, micro_batch_size=1, precision="bf16", loss="no-upcast")
+    model = modelbuild.build_model(cfg, wl, device="cpu")
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with pytest.raises(ConfigError, match="output_router_logits.*HINT"):
+        forward_with_loss(model, ids, ids, wl)
+
 
 LIGER_CASES = {
     # precision: (param dtype, autocast dtype, closed form of liger's forward peak)

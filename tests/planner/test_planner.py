@@ -16,6 +16,8 @@ from llmem_plugin.methods import Layout, estimate_method
 from llmem_plugin.planner import DEFAULT_MARGIN, plan, planner_methods
 from llmem_plugin.workload import LoraSpec, OptimizerKind, Workload
 
+from ..conftest import room
+
 GIB = 2**30
 METHODS = ["ddp", "zero2", "zero3", "fsdp", "dp-tp"]
 
@@ -32,7 +34,7 @@ WL = Workload(seq_len=1024)
 
 @pytest.fixture(scope="module")
 def four_gpus():
-    return plan(small(), gpu="h100-sxm", num_gpus=4, workload=WL, gpu_memory=int(1.5 * GIB), methods=METHODS)
+    return plan(small(), gpu="h100-sxm", num_gpus=4, workload=WL, gpu_memory=room(1.233), methods=METHODS)
 
 
 def test_the_choice_is_the_fastest_candidate_that_fits(four_gpus):
@@ -46,7 +48,7 @@ def test_the_choice_is_the_fastest_candidate_that_fits(four_gpus):
     # The ones ranked above it were traced and found not to fit.
     above = p.candidates[: p.candidates.index(p.choice)]
     assert all(not c.fits for c in above)
-    # Replicated states do not fit 1.5 GiB: 45M params x 16 B + context.
+    # Replicated states do not fit 1.23 GiB of allocator room: 45M params x 16 B.
     assert all(not c.fits for c in p.candidates if c.method == "ddp")
     # Every candidate's tokens/s is the global batch's tokens over its step time.
     for c in p.candidates:
@@ -74,9 +76,9 @@ def test_accumulation_past_two_micro_steps_does_not_move_the_peak():
 def test_more_gpus_never_make_the_best_throughput_worse():
     best = []
     for n in (2, 4):
-        # 2 GiB: FSDP2 on 2 GPUs needs about 1.6 GiB since its side-stream
+        # 1.73 GiB of room: FSDP2 on 2 GPUs needs about 1.33 GiB since its side-stream
         # pools are replayed apart (methods/_streams.py), so both sizes fit.
-        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=2 * GIB,
+        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=room(1.733),
                  methods=["zero3", "fsdp"], global_batch=8)
         best.append(p.choice.tokens_per_s)
     assert best[1] >= best[0]
@@ -84,8 +86,8 @@ def test_more_gpus_never_make_the_best_throughput_worse():
 
 def test_more_memory_never_turns_a_fit_into_a_non_fit():
     kw = {"gpu": "h100-sxm", "num_gpus": 2, "workload": WL, "methods": ["ddp", "fsdp"], "global_batch": 4}
-    tight = plan(small(), gpu_memory=int(1.7 * GIB), **kw)
-    roomy = plan(small(), gpu_memory=3 * GIB, **kw)
+    tight = plan(small(), gpu_memory=room(1.433), **kw)
+    roomy = plan(small(), gpu_memory=room(2.733), **kw)
     assert not all(c.fits for c in tight.candidates)
     fit_tight = {c.key for c in tight.candidates if c.fits}
     fit_roomy = {c.key for c in roomy.candidates if c.fits}
@@ -95,7 +97,7 @@ def test_more_memory_never_turns_a_fit_into_a_non_fit():
 
 def test_nothing_fits_raises_with_the_report_and_suggestions_that_fit():
     with pytest.raises(WontFitError) as info:
-        plan(small(), gpu="h100-sxm", num_gpus=2, workload=WL, gpu_memory=int(1.2 * GIB),
+        plan(small(), gpu="h100-sxm", num_gpus=2, workload=WL, gpu_memory=room(0.933),
              methods=["ddp", "fsdp"], global_batch=2)
     e = info.value
     p = e.plan
@@ -112,12 +114,12 @@ def test_nothing_fits_raises_with_the_report_and_suggestions_that_fit():
     # Applying a suggestion really fits: re-plan with it from scratch.
     more = next(s for s in p.suggestions if "GPUs" in s.change)
     n = int(more.change.split()[0])
-    again = plan(small(), gpu="h100-sxm", num_gpus=n, num_nodes=1, workload=WL, gpu_memory=int(1.2 * GIB),
+    again = plan(small(), gpu="h100-sxm", num_gpus=n, num_nodes=1, workload=WL, gpu_memory=room(0.933),
                  methods=["ddp", "fsdp"], global_batch=n)
     assert again.choice is not None
     if any(c.startswith("LoRA") for c in changes):
         lora = plan(small(), gpu="h100-sxm", num_gpus=2, workload=dataclasses.replace(WL, lora=LoraSpec(rank=16)),
-                    gpu_memory=int(1.2 * GIB), methods=["ddp", "fsdp"], global_batch=2)
+                    gpu_memory=room(0.933), methods=["ddp", "fsdp"], global_batch=2)
         assert lora.choice is not None
 
 
@@ -155,7 +157,7 @@ def test_every_planner_method_maps_to_a_registered_one():
 def test_pruning_skips_only_what_cannot_win():
     """The time bound of a (method, checkpointing) is below every one of its
     candidates' step times, so pruning by it keeps the same choice."""
-    kw = {"gpu": "h100-sxm", "num_gpus": 4, "workload": WL, "gpu_memory": int(1.5 * GIB), "global_batch": 8,
+    kw = {"gpu": "h100-sxm", "num_gpus": 4, "workload": WL, "gpu_memory": room(1.233), "global_batch": 8,
           "methods": ["ddp", "zero2", "zero3", "fsdp", "dp-tp", "zero3-offload"]}
     full = plan(small(), prune=False, **kw)
     pruned = plan(small(), **kw)

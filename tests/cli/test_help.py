@@ -1,0 +1,34 @@
+"""`llmem estimate --help` groups the options by what they change."""
+
+from __future__ import annotations
+
+from llmem_plugin.cli import main
+
+
+def _sections(text: str) -> dict[str, str]:
+    out, title = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            out[title] = ""
+        elif title:
+            out[title] += line + "\n"
+    return out
+
+
+def test_estimate_help_groups_the_recipe_options(capsys):
+    assert main(["estimate", "--help"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    expected = {
+        "loss path": ["--loss ", "--loss-chunks", "--loss-chunk-upcast", "--logits-to-keep", "no-upcast"],
+        "activation checkpointing": ["--grad-checkpointing", "--checkpoint-every"],
+        "QLoRA": ["--quantize", "--double-quant", "--kbit-prepare"],
+        "LoRA": ["--lora-rank", "--lora-targets"],
+        "distributed method": ["--method", "--gpus", "--tp"],
+    }
+    for title, flags in expected.items():
+        assert title in sections, sorted(sections)
+        for flag in flags:
+            assert flag in sections[title], (title, flag)
+    # Each option is listed once, in its group only.
+    assert "--loss " not in sections["options"] and "--quantize" not in sections["options"]
