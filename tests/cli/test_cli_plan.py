@@ -15,6 +15,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 CANDIDATE_KEYS = ("method", "tp", "micro_batch", "grad_checkpointing", "offload", "fits", "device_total_bytes",
                   "step_time_s", "tokens_per_s")
 
+from ..conftest import room
+
+
+def _mib(gib: float) -> str:
+    return f"{room(gib) // 2**20}MiB"
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -33,7 +39,7 @@ BASE = ("plan", "--gpus", "2", "--gpu", "h100-sxm", "--seq-len", "512", "--metho
 
 def test_fits_exit_0_json_has_the_choice_and_every_candidate(capsys, model, tmp_path):
     png = tmp_path / "plan.png"
-    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "1.7GiB", "--json", "--plot", str(png))
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", _mib(1.458), "--json", "--plot", str(png))
     assert code == 0, err
     d = json.loads(out)
     assert d["choice"] is not None and d["choice"]["fits"]
@@ -48,18 +54,18 @@ def test_fits_exit_0_json_has_the_choice_and_every_candidate(capsys, model, tmp_
 
 
 def test_table_marks_the_choice_and_says_why(capsys, model):
-    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "1.7GiB")
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", _mib(1.458))
     assert code == 0, err
     assert "choice:" in out and ("beats" in out or "ties with" in out or "only method" in out)
     assert "fsdp" in out
 
 
 def test_nothing_fits_exit_3_with_the_report(capsys, model):
-    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", "0.9GiB", "--global-batch", "2")
+    code, out, err = run(capsys, *BASE, "--model", model, "--gpu-memory", _mib(0.658), "--global-batch", "2")
     assert code == EXIT_WONT_FIT
     assert "no method fits" in err and len(err.strip().splitlines()) == 1
     assert "nothing fits" in out and "fits with" in out  # the suggestions, confirmed by re-planning
-    code, out, _ = run(capsys, *BASE, "--model", model, "--gpu-memory", "0.9GiB", "--global-batch", "2", "--json")
+    code, out, _ = run(capsys, *BASE, "--model", model, "--gpu-memory", _mib(0.658), "--global-batch", "2", "--json")
     assert code == EXIT_WONT_FIT
     d = json.loads(out)
     assert d["choice"] is None and d["suggestions"] and all(s["choice"]["fits"] for s in d["suggestions"])

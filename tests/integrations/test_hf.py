@@ -22,7 +22,7 @@ from llmem_plugin.tracker import round_allocation
 from llmem_plugin.validate import load_rows, validate_rows
 from llmem_plugin.workload import Workload
 
-from ..conftest import tiny_config
+from ..conftest import room, tiny_config
 
 SEQ, BATCH = 64, 2
 
@@ -212,7 +212,7 @@ def test_autoconfigure_applies_the_plan_and_keeps_the_global_batch(tmp_path):
     model = _model()
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=1,
                              use_cpu=True, report_to=[])
-    new = autoconfigure(model, args, {"num_gpus": 1, "gpu": "h100-sxm", "gpu_memory": "0.45GiB"}, seq_len=SEQ)
+    new = autoconfigure(model, args, {"num_gpus": 1, "gpu": "h100-sxm", "gpu_memory": room(0.208)}, seq_len=SEQ)
     plan = new.llmem_plan
     c = plan.choice
     assert c.fits and c.device_total_bytes <= plan.limit_bytes
@@ -227,7 +227,7 @@ def test_autoconfigure_applies_the_plan_and_keeps_the_global_batch(tmp_path):
     est = estimate(model.config, Workload(seq_len=SEQ, micro_batch_size=c.micro_batch,
                                           grad_accum_steps=min(c.grad_accum, 2), precision="fp32",
                                           optimizer="adamw-fused", grad_checkpointing=c.grad_checkpointing,
-                                          runner="hf-trainer"), gpu="h100-sxm", gpu_memory=int(0.45 * 2**30))
+                                          runner="hf-trainer"), gpu="h100-sxm", gpu_memory=room(0.208))
     assert est.device_total_bytes == c.device_total_bytes
 
 

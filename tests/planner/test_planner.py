@@ -34,7 +34,7 @@ WL = Workload(seq_len=1024)
 
 @pytest.fixture(scope="module")
 def four_gpus():
-    return plan(small(), gpu="h100-sxm", num_gpus=4, workload=WL, gpu_memory=room(1.233), methods=METHODS)
+    return plan(small(), gpu="h100-sxm", num_gpus=4, workload=WL, gpu_memory=room(1.258), methods=METHODS)
 
 
 def test_the_choice_is_the_fastest_candidate_that_fits(four_gpus):
@@ -78,7 +78,7 @@ def test_more_gpus_never_make_the_best_throughput_worse():
     for n in (2, 4):
         # 1.73 GiB of room: FSDP2 on 2 GPUs needs about 1.33 GiB since its side-stream
         # pools are replayed apart (methods/_streams.py), so both sizes fit.
-        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=room(1.733),
+        p = plan(small(), gpu="h100-sxm", num_gpus=n, workload=WL, gpu_memory=room(1.758),
                  methods=["zero3", "fsdp"], global_batch=8)
         best.append(p.choice.tokens_per_s)
     assert best[1] >= best[0]
@@ -86,8 +86,8 @@ def test_more_gpus_never_make_the_best_throughput_worse():
 
 def test_more_memory_never_turns_a_fit_into_a_non_fit():
     kw = {"gpu": "h100-sxm", "num_gpus": 2, "workload": WL, "methods": ["ddp", "fsdp"], "global_batch": 4}
-    tight = plan(small(), gpu_memory=room(1.433), **kw)
-    roomy = plan(small(), gpu_memory=room(2.733), **kw)
+    tight = plan(small(), gpu_memory=room(1.458), **kw)
+    roomy = plan(small(), gpu_memory=room(2.758), **kw)
     assert not all(c.fits for c in tight.candidates)
     fit_tight = {c.key for c in tight.candidates if c.fits}
     fit_roomy = {c.key for c in roomy.candidates if c.fits}
@@ -95,9 +95,18 @@ def test_more_memory_never_turns_a_fit_into_a_non_fit():
     assert roomy.choice.tokens_per_s >= tight.choice.tokens_per_s
 
 
+def medium():
+    """Sharded states large enough (about 110M parameters) that more GPUs, not only less work, make FSDP fit
+    beside the CUDA context every GPU holds."""
+    return transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=8, max_position_embeddings=4096,
+    )
+
+
 def test_nothing_fits_raises_with_the_report_and_suggestions_that_fit():
     with pytest.raises(WontFitError) as info:
-        plan(small(), gpu="h100-sxm", num_gpus=2, workload=WL, gpu_memory=room(0.933),
+        plan(medium(), gpu="h100-sxm", num_gpus=2, workload=WL, gpu_memory=room(1.45),
              methods=["ddp", "fsdp"], global_batch=2)
     e = info.value
     p = e.plan
@@ -114,12 +123,12 @@ def test_nothing_fits_raises_with_the_report_and_suggestions_that_fit():
     # Applying a suggestion really fits: re-plan with it from scratch.
     more = next(s for s in p.suggestions if "GPUs" in s.change)
     n = int(more.change.split()[0])
-    again = plan(small(), gpu="h100-sxm", num_gpus=n, num_nodes=1, workload=WL, gpu_memory=room(0.933),
+    again = plan(medium(), gpu="h100-sxm", num_gpus=n, num_nodes=1, workload=WL, gpu_memory=room(1.45),
                  methods=["ddp", "fsdp"], global_batch=n)
     assert again.choice is not None
     if any(c.startswith("LoRA") for c in changes):
-        lora = plan(small(), gpu="h100-sxm", num_gpus=2, workload=dataclasses.replace(WL, lora=LoraSpec(rank=16)),
-                    gpu_memory=room(0.933), methods=["ddp", "fsdp"], global_batch=2)
+        lora = plan(medium(), gpu="h100-sxm", num_gpus=2, workload=dataclasses.replace(WL, lora=LoraSpec(rank=16)),
+                    gpu_memory=room(1.45), methods=["ddp", "fsdp"], global_batch=2)
         assert lora.choice is not None
 
 
@@ -157,7 +166,7 @@ def test_every_planner_method_maps_to_a_registered_one():
 def test_pruning_skips_only_what_cannot_win():
     """The time bound of a (method, checkpointing) is below every one of its
     candidates' step times, so pruning by it keeps the same choice."""
-    kw = {"gpu": "h100-sxm", "num_gpus": 4, "workload": WL, "gpu_memory": room(1.233), "global_batch": 8,
+    kw = {"gpu": "h100-sxm", "num_gpus": 4, "workload": WL, "gpu_memory": room(1.258), "global_batch": 8,
           "methods": ["ddp", "zero2", "zero3", "fsdp", "dp-tp", "zero3-offload"]}
     full = plan(small(), prune=False, **kw)
     pruned = plan(small(), **kw)
