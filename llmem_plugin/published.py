@@ -29,7 +29,6 @@ equals the full trace to the byte) and reports the signed error per metric.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,42 +58,41 @@ def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]
     p = Path(path) if path is not None else default_path()
     if not p.is_file():
         raise ConfigError(f"no published set at {p}. HINT: run from a source checkout, or pass --published FILE")
+    from llmem_plugin.validate import read_jsonl
+
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}:{n}: not JSON ({e.msg}). HINT: one JSON object per line") from None
+    for n, row in read_jsonl(p, hint="pass --published FILE, a JSONL file of published figures",
+                             schema_hint="HINT: see benchmarks/published/README.md"):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{n}: not a JSON object. HINT: one JSON object per line")
         missing = [k for k in _REQUIRED if k not in row]
         if missing:
-            raise ConfigError(f"{p}:{n}: row lacks {', '.join(missing)}. HINT: see llmem_plugin/published.py")
+            raise ConfigError(f"{n}: row lacks {', '.join(missing)}. HINT: see llmem_plugin/published.py")
         if row["status"] not in _STATUSES:
-            raise ConfigError(f"{p}:{n}: status {row['status']!r}; valid: {', '.join(_STATUSES)}")
+            raise ConfigError(f"{n}: status {row['status']!r}; valid: {', '.join(_STATUSES)}")
         if row["status"] == "modelled":
             if row["metric"] not in METRICS:
-                raise ConfigError(f"{p}:{n}: metric {row['metric']!r}; valid: {', '.join(METRICS)}")
+                raise ConfigError(f"{n}: metric {row['metric']!r}; valid: {', '.join(METRICS)}")
             if row["unit"] not in _UNITS:
-                raise ConfigError(f"{p}:{n}: unit {row['unit']!r}; valid: {', '.join(_UNITS)}")
+                raise ConfigError(f"{n}: unit {row['unit']!r}; valid: {', '.join(_UNITS)}")
             if not row.get("model") or not isinstance(row.get("workload"), dict):
-                raise ConfigError(f"{p}:{n}: a modelled row needs model and workload")
+                raise ConfigError(f"{n}: a modelled row needs model and workload")
             if isinstance(row["value"], bool) or not isinstance(row["value"], (int, float)) or row["value"] <= 0:
-                raise ConfigError(f"{p}:{n}: value {row['value']!r} is not a positive number. HINT: the figure as "
+                raise ConfigError(f"{n}: value {row['value']!r} is not a positive number. HINT: the figure as "
                                   "published, in unit")
             if row["metric"] == "reserved_above_init" and not isinstance(row.get("init_reserved_bytes"), int):
-                raise ConfigError(f"{p}:{n}: metric reserved_above_init needs init_reserved_bytes (an integer)")
+                raise ConfigError(f"{n}: metric reserved_above_init needs init_reserved_bytes (an integer)")
             from llmem_plugin import catalog
             from llmem_plugin.validate import _workload
 
             if catalog.lookup(row["model"]) is None:
-                raise ConfigError(f"{p}:{n}: model {row['model']!r} is not in the catalog. HINT: llmem models")
+                raise ConfigError(f"{n}: model {row['model']!r} is not in the catalog. HINT: llmem models")
             try:
                 _workload(row["workload"])
             except TypeError as e:  # an unknown Workload field
-                raise ConfigError(f"{p}:{n}: workload {e}. HINT: the fields of llmem_plugin.workload.Workload") from None
+                raise ConfigError(f"{n}: workload {e}. HINT: the fields of llmem_plugin.workload.Workload") from None
         if not isinstance(row["source"], dict) or not row["source"].get("url") or not row["source"].get("quote"):
-            raise ConfigError(f"{p}:{n}: source needs url and quote")
+            raise ConfigError(f"{n}: source needs url and quote")
         rows.append(row)
     return rows
 

@@ -159,6 +159,34 @@ _ROW_STATUSES = ("ok", "oom", "error", "skipped")
 _SCHEMA_HINT = "HINT: rows follow the schema in benchmarks/groundtruth/README.md"
 
 
+def read_jsonl(path: str | os.PathLike, *, hint: str, schema_hint: str) -> list[tuple[str, Any]]:
+    """The JSON values of a JSONL file's non-blank lines, each with its ``path:line``.
+
+    Raises:
+        ConfigError: The file is missing, unreadable or not UTF-8, or a line
+            is not JSON; ``hint`` and ``schema_hint`` end the message.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read '{path}': {e.strerror}. HINT: {hint}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # a NUL in the path; bytes that are not UTF-8
+        reason = "it is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
+        raise ConfigError(f"cannot read {str(path)!r}: {reason}. HINT: {hint}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg}). HINT: one JSON object per line") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{n} is nested too deeply to read. {schema_hint}") from None
+    return out
+
+
 def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a JSONL file of harness rows, checking each row's schema.
 
@@ -166,26 +194,10 @@ def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
         ConfigError: The file is missing or unreadable, holds no rows, or a
             line is not a JSON object with the schema's keys and types.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read '{path}': {e.strerror}. HINT: pass a JSONL file of the ground-truth harness")
-    except (ValueError, UnicodeDecodeError) as e:  # a NUL in the path; bytes that are not UTF-8
-        reason = "it is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
-        raise ConfigError(f"cannot read {str(path)!r}: {reason}. HINT: pass a JSONL file of the ground-truth "
-                          "harness, e.g. tests/fixtures/groundtruth-cpu.jsonl") from None
     rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n} is not valid JSON ({e.msg}). HINT: one JSON object per line") from None
-        except RecursionError:
-            raise ConfigError(f"{path}:{n} is nested too deeply to read. {_SCHEMA_HINT}") from None
-        _check_row_schema(row, f"{path}:{n}")
+    for where, row in read_jsonl(path, hint="pass a JSONL file of the ground-truth harness, e.g. "
+                                 "tests/fixtures/groundtruth-cpu.jsonl", schema_hint=_SCHEMA_HINT):
+        _check_row_schema(row, where)
         rows.append(row)
     if not rows:
         raise ConfigError(f"{path} holds no rows. HINT: pass a JSONL file of the ground-truth harness, e.g. "
