@@ -37,6 +37,7 @@ import torch
 from llmem_plugin.integrations import _common
 from transformers import TrainerCallback
 
+from llmem_plugin import checkpointing
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
 from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
 from llmem_plugin.workload import Precision, Workload
@@ -133,9 +134,13 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
                                "HINT: use optim='adamw_torch_fused' to have the job checked")
     precision = _common.precision_of(live.param_dtype, bf16=bool(args.bf16), fp16=bool(args.fp16))
     attn = getattr(live.config, "_attn_implementation", None) if live.config is not None else None
+    gc = bool(args.gradient_checkpointing)
+    # transformers 5 renamed the kwargs to activation_checkpointing_kwargs (the old name is an alias)
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    save_ops = checkpointing.policy_of(kwargs) if gc else None
     return Workload(seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
-                    grad_checkpointing=bool(args.gradient_checkpointing),
+                    grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
                     target_len=target_len, images=images)
 

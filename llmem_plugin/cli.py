@@ -134,6 +134,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
                    help="with --grad-checkpointing, checkpoint every K-th layer only (torchtitan's layer-level "
                         "selective AC; default 1: every layer)")
+    g.add_argument("--checkpoint-save-ops", default=None, metavar="POLICY",
+                   help="with --grad-checkpointing, op-level selective AC: checkpointed layers keep these ops' "
+                        "outputs and recompute the rest; 'torchtitan' (its selective op policy: matmuls except "
+                        "every second one, attention kernels) or comma-separated ops, e.g. aten.mm")
     _add_step_args(p)
 
 
@@ -271,6 +275,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "target_len": getattr(args, "target_len", None),
         "task": getattr(args, "task", None),
         "checkpoint_every": getattr(args, "checkpoint_every", 1),
+        "checkpoint_save_ops": getattr(args, "checkpoint_save_ops", None),
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
     }

@@ -370,6 +370,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                 f"{type(model).__name__} does not support gradient checkpointing. HINT: drop --grad-checkpointing"
             )
         kwargs = {"use_reentrant": False}
+        if workload.checkpoint_save_ops is not None:  # op-level SAC: torch.utils.checkpoint's context_fn
+            from llmem_plugin.checkpointing import parse_save_ops
+
+            kwargs["context_fn"] = parse_save_ops(workload.checkpoint_save_ops).context_fn()
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:

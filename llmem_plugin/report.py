@@ -36,6 +36,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def checkpointing_policy(wl) -> str:
+    """What the traced step's layers keep for backward, in words."""
+    if not wl.grad_checkpointing:
+        return "none (every layer keeps its activations)"
+    which = f"every {wl.checkpoint_every}th layer" if wl.checkpoint_every > 1 else "every layer"
+    if wl.checkpoint_save_ops is None:
+        return f"{which} recomputed in full (keeps only its input)"
+    from llmem_plugin.checkpointing import parse_save_ops
+
+    return f"{which} op-level selective: {parse_save_ops(wl.checkpoint_save_ops).describe()}"
+
+
 def loss_path(est: Estimate) -> str:
     """How the traced step computed its loss, in words (llmem_plugin.loss)."""
     wl = est.workload
@@ -60,6 +72,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     if wl.quantize is not None:  # QLoRA: the quantization and what k-bit preparation upcast
         lora += f", {wl.quantize.value}{'+dq' * wl.double_quant} base (k-bit preparation {wl.kbit_prepare})"
     every = f" every {wl.checkpoint_every} layers" if wl.checkpoint_every > 1 else ""
+    if wl.checkpoint_save_ops is not None:
+        every += f", op-level SAC ({wl.checkpoint_save_ops})"
     gc = f", grad checkpointing{every}" if wl.grad_checkpointing else ""
     cls = f" ({est.model_class})" if est.model_class else ""
     title = (
@@ -112,6 +126,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                  what=f"host (CPU) RAM of the process: {gib(est.host_bytes)} GiB "
                                       f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
     console.print(f"loss path: {loss_path(est)}")
+    console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")

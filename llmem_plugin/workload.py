@@ -342,6 +342,11 @@ class Workload:
         checkpoint_every: With ``grad_checkpointing``, checkpoint every this
             many-th decoder layer only (torchtitan's layer-level selective
             AC: layers ``k-1, 2k-1, ...``; 1: every layer).
+        checkpoint_save_ops: With ``grad_checkpointing``, op-level selective
+            checkpointing: the checkpointed layers keep these ops' outputs
+            and recompute the rest (:mod:`llmem_plugin.checkpointing`): a
+            preset (``torchtitan``) or comma-separated ops (``aten.mm``);
+            None: keep nothing (full recompute).
         images: Images per sample of a vision-language model (None: 1).
         freeze_vision: Keep a vision-language model's vision tower frozen
             (no gradients or optimizer states for it).
@@ -368,6 +373,7 @@ class Workload:
     target_len: int | None = None
     task: str | None = None
     checkpoint_every: int = 1
+    checkpoint_save_ops: str | None = None
     images: int | None = None
     freeze_vision: bool = False
 
@@ -384,6 +390,13 @@ class Workload:
         if self.checkpoint_every > 1 and not self.grad_checkpointing:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} picks which layers gradient checkpointing "
                               "recomputes, but checkpointing is off. HINT: add --grad-checkpointing")
+        if self.checkpoint_save_ops is not None:
+            from llmem_plugin.checkpointing import parse_save_ops
+
+            object.__setattr__(self, "checkpoint_save_ops", parse_save_ops(self.checkpoint_save_ops).spec)
+            if not self.grad_checkpointing:
+                raise ConfigError(f"--checkpoint-save-ops {self.checkpoint_save_ops} picks what checkpointed layers "
+                                  "keep, but checkpointing is off. HINT: add --grad-checkpointing")
         if self.images is not None and (
                 isinstance(self.images, bool) or not isinstance(self.images, int) or self.images <= 0):
             raise ConfigError(f"images must be a positive integer, got {self.images!r}. "
@@ -465,6 +478,7 @@ class Workload:
             "target_len": self.target_len,
             "task": self.task,
             "checkpoint_every": self.checkpoint_every,
+            "checkpoint_save_ops": self.checkpoint_save_ops,
             "images": self.images,
             "freeze_vision": self.freeze_vision,
         }

@@ -110,14 +110,21 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     them stay as they were.
     """
     parts = [prefix + model, precision, f"s{seq}", f"b{batch}"]
-    parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + ["lora"] * (lora is not None) + [attn]
-    parts += [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
                   optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn, **technique)
+    parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + _checkpoint_parts(wl) + ["lora"] * (lora is not None)
+    parts += [attn] + [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
     parts += [f"img{wl.images}"] * (wl.images is not None) + ["frozen-vision"] * wl.freeze_vision
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
                 expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
+
+
+def _checkpoint_parts(wl: Workload) -> list[str]:
+    parts = [f"every{wl.checkpoint_every}"] * (wl.checkpoint_every > 1)
+    if wl.checkpoint_save_ops is not None:  # a preset's name, or the ops without "aten."
+        parts.append("sac-" + wl.checkpoint_save_ops.replace("aten.", "").replace(",", "+"))
+    return parts
 
 
 def _technique_parts(wl: Workload) -> list[str]:
@@ -368,13 +375,24 @@ _TINY = {
 }
 
 
-def _cpu(model: str, precision: str, seq: int, batch: int, **kw: Any) -> Case:
-    return _case(model, precision, seq, batch, runner="tracker-cpu", overrides=_TINY[model], prefix="tiny-", **kw)
+def _cpu(model: str, precision: str, seq: int, batch: int, *, overrides_extra: dict[str, Any] | None = None,
+         **kw: Any) -> Case:
+    prefix = "tiny-" if not overrides_extra else f"tiny{overrides_extra.get('num_hidden_layers', '')}-"
+    return _case(model, precision, seq, batch, runner="tracker-cpu", overrides={**_TINY[model], **(overrides_extra or {})},
+                 prefix=prefix, **kw)
 
 
 CPU_CASES: list[Case] = [
     _cpu("llama-3.2-1b", "bf16-mixed", 64, 2),
     _cpu("llama-3.2-1b", "bf16", 64, 2, gc=True, optimizer="adamw-fused"),
+    # Checkpointing policies on 4 layers, sized so that activations set the peak: every second layer,
+    # torchtitan's op-level SAC (with and without LoRA), and a saved-op set.
+    *(_cpu(m, p, 256, 4, gc=True, overrides_extra={"num_hidden_layers": 4}, **kw) for m, p, kw in (
+        ("llama-3.2-1b", "bf16-mixed", {"checkpoint_every": 2}),
+        ("llama-3.2-1b", "bf16-mixed", {"checkpoint_save_ops": "torchtitan"}),
+        ("llama-3.2-1b", "bf16", {"checkpoint_save_ops": "torchtitan", "lora": LoraSpec(rank=4)}),
+        ("qwen2.5-0.5b", "bf16-mixed", {"checkpoint_save_ops": "aten.mm,aten._scaled_dot_product_efficient_attention"}),
+    )),
     _cpu("qwen2.5-0.5b", "fp32", 64, 2, lora=LoraSpec(rank=4)),
     _cpu("gpt2", "bf16-mixed", 64, 2, attn="eager", lora=LoraSpec(rank=4, target_modules=("c_attn",))),
     _cpu("opt-125m", "fp32", 32, 2, accum=2),

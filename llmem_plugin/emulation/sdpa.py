@@ -63,6 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention import SDPBackend
 
 from llmem_plugin._pause import untracked
+from llmem_plugin.checkpointing import emulated_outputs, skip_workspace
 from llmem_plugin.errors import ConfigError, UnsupportedError
 
 __all__ = ["CudaSdpaTarget", "emulated_sdpa", "observe_attention", "patch_sdpa", "select_backend"]
@@ -73,6 +74,10 @@ TORCH_2_13_CUDA_VERSION = 13000  # cuda-toolkit==13.0.3
 # Multiprocessor counts (NVIDIA datasheets: A100 108, H100 SXM/H200 132, B200 148).
 _DEFAULT_NUM_SMS = {(8, 0): 108, (9, 0): 132, (10, 0): 148}
 _HALF = (torch.float16, torch.bfloat16)
+# The ATen ops the three kernels' Functions stand for, as op-level SAC policies name them.
+_FLASH_OP = "aten._scaled_dot_product_flash_attention"
+_EFFICIENT_OP = "aten._scaled_dot_product_efficient_attention"
+_CUDNN_OP = "aten._scaled_dot_product_cudnn_attention"
 _F32 = torch.float32
 
 
@@ -640,31 +645,40 @@ class _FlashAttention(torch.autograd.Function):
         swapped = s_q == 1 and h > h_k and not causal and dropout_p == 0.0 and d % 8 == 0
         temp_q = q_t.reshape(b, h_k, h // h_k, d).transpose(1, 2) if swapped else q_t
         s_eff, h_eff = temp_q.size(1), temp_q.size(2)
-        out = torch.empty_like(temp_q)
+        with emulated_outputs(_FLASH_OP):
+            out = torch.empty_like(temp_q)
+            lse = q.new_empty((b, h_eff, s_eff), dtype=_F32)
         d_rounded = _round_up(d, 32 if d <= 128 else 64)
-        lse = q.new_empty((b, h_eff, s_eff), dtype=_F32)
         accum = ()
         if dropout_p == 0.0:  # set_params_splitkv: SplitKV is not implemented for dropout
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
             n = _flash_num_splits(b * h_eff * _ceil_div(s_eff, 64), target.num_sms * 2, _ceil_div(s_k, block_n), 128)
             if n > 1:
-                accum = (q.new_empty((n, b, h_eff, s_eff), dtype=_F32),
-                         q.new_empty((n, b, h_eff, s_eff, d_rounded), dtype=_F32))
-        rng_state = q.new_empty((2,), dtype=torch.uint64)
-        unused = q.new_empty((), dtype=torch.uint64)
+                zero = 0 if skip_workspace(_FLASH_OP) else 1
+                accum = (q.new_empty((n * zero, b, h_eff, s_eff), dtype=_F32),
+                         q.new_empty((n * zero, b, h_eff, s_eff, d_rounded), dtype=_F32))
         seed = 0
-        if dropout_p > 0.0:
-            rng_state = q.new_empty((2,), dtype=torch.uint64)  # re-allocated, the first is freed
+        if dropout_p > 0.0:  # rng_state is allocated, then re-allocated (the first is freed): the second is the output
+            first = q.new_empty((0 if skip_workspace(_FLASH_OP) else 2,), dtype=torch.uint64)
+            with emulated_outputs(_FLASH_OP):
+                unused = q.new_empty((), dtype=torch.uint64)
+                rng_state = q.new_empty((2,), dtype=torch.uint64)
+            del first
             seed = _new_seed() if _has_values(q) else 0
+        else:
+            with emulated_outputs(_FLASH_OP):
+                rng_state = q.new_empty((2,), dtype=torch.uint64)
+                unused = q.new_empty((), dtype=torch.uint64)
         del accum
-        if swapped:
-            out = out.transpose(1, 2).reshape(b, 1, h, d)
-            lse = lse.reshape(b, h, 1)
+        with emulated_outputs(_FLASH_OP):
+            if swapped:
+                out = out.transpose(1, 2).reshape(b, 1, h, d)
+                lse = lse.reshape(b, h, 1)
         attention = out.transpose(1, 2)
         if _has_values(q):
-            with untracked():
+            with untracked(), torch.autograd._unsafe_preserve_version_counter(attention):
                 ref = _reference(q, _heads_to(k, h), _heads_to(v, h), None, causal, scale, dropout_p, seed)
-                attention.copy_(ref)
+                attention.copy_(ref)  # values only: a saved output's version must not change (SAC checks it)
                 del ref
         ctx.save_for_backward(q, k, v, attention, lse, rng_state, unused)
         ctx.args = (dropout_p, causal, scale, seed, target)
@@ -779,16 +793,18 @@ class _EfficientAttention(torch.autograd.Function):
         if bias is not None and bias.dtype != q.dtype:
             raise RuntimeError("invalid dtype for bias - should match query's dtype")
         _, keys_per_block, kmax = _cutlass_f(q_t, k_t, v_t)
-        res = q.new_empty((b, m, h, v_t.size(-1)))
-        lse = q.new_empty((b, h, _round_up(m, 32) if compute_lse else 0), dtype=_F32)
+        with emulated_outputs(_EFFICIENT_OP):
+            res = q.new_empty((b, m, h, v_t.size(-1)))
+            lse = q.new_empty((b, h, _round_up(m, 32) if compute_lse else 0), dtype=_F32)
         # kNeedsOutputAccumulatorBuffer: a temporary for the kernel's duration
         needs_accum = q.dtype in _HALF and kmax > keys_per_block
-        accum = (q.new_empty((b, m, h, v_t.size(-1)), dtype=_F32),) if needs_accum else ()
+        zero = 0 if skip_workspace(_EFFICIENT_OP) else 1
+        accum = (q.new_empty((b * zero, m, h, v_t.size(-1)), dtype=_F32),) if needs_accum else ()
         seed = _new_seed() if dropout_p > 0.0 and _has_values(q) else 0
         scale_ = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
         attention = res.transpose(1, 2)
         if _has_values(q):
-            with untracked():
+            with untracked(), torch.autograd._unsafe_preserve_version_counter(attention):
                 attention.copy_(_reference(q, k, v, bias, is_causal, scale_, dropout_p, seed))
         del accum
         ctx.save_for_backward(q, k, v, bias, attention, lse)
@@ -883,14 +899,15 @@ class _CudnnAttention(torch.autograd.Function):
         if bias is not None:  # expand to 4-D [U]
             heads = bias.size(1) if bias.dim() == 4 else 1
             bias = bias.expand(b, heads, s_q, s_k)
-        seed_t = q.new_empty((), dtype=torch.int64)
-        offset_t = q.new_empty((), dtype=torch.int64)
-        o = _alloc_matching_layout(q, (b, h, s_q, v.size(3)))
-        stats = q.new_empty((b, h, s_q, 1), dtype=_F32) if compute_lse else None
+        with emulated_outputs(_CUDNN_OP):
+            seed_t = q.new_empty((), dtype=torch.int64)
+            offset_t = q.new_empty((), dtype=torch.int64)
+            o = _alloc_matching_layout(q, (b, h, s_q, v.size(3)))
+            stats = q.new_empty((b, h, s_q, 1), dtype=_F32) if compute_lse else None
         seed = _new_seed() if dropout_p > 0.0 and _has_values(q) else 0
         scale_ = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
         if _has_values(q):
-            with untracked():
+            with untracked(), torch.autograd._unsafe_preserve_version_counter(o):
                 o.copy_(_reference(q, _heads_to(k, h), _heads_to(v, h), bias, is_causal, scale_, dropout_p, seed))
         ctx.save_for_backward(q, k, v, o, stats, seed_t, offset_t, bias)
         ctx.args = (dropout_p, is_causal, scale_, seed)

@@ -323,3 +323,31 @@ def test_seq2seq_and_classifier_are_checked_as_their_task(tmp_path, kind):
     assert -0.01 * meas <= meas - pred.tensor_bytes <= ahead + 0.01 * meas, (meas, pred.tensor_bytes, ahead)
     if kind != "mllama":  # text batches are small: within 1% with the batch ahead included
         assert abs(meas - pred.tensor_bytes) <= 0.01 * meas, (meas, pred.tensor_bytes)
+
+
+def test_op_level_checkpointing_is_read_from_the_trainer_and_checked_against_the_run(tmp_path):
+    from llmem_plugin.checkpointing import parse_save_ops
+
+    cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=2)
+    kwargs = {"use_reentrant": False, "context_fn": parse_save_ops("torchtitan").context_fn()}
+    trainer = _trainer(tmp_path, _model(torch.bfloat16), cb, steps=3, gradient_checkpointing=True,
+                       gradient_checkpointing_kwargs=kwargs)
+    trainer.train()
+    pred, meas = cb.comparison.prediction, cb.comparison.measurement
+    assert pred.workload["grad_checkpointing"] and pred.workload["checkpoint_save_ops"] == "torchtitan"
+    extra = meas.allocated_bytes - pred.tensor_bytes  # as in test_compare_path_logs_predicted_and_actual
+    assert 0 <= extra <= 2 * round_allocation(BATCH * SEQ * 8) + 8 * 512, extra
+
+
+def test_an_unreadable_checkpoint_policy_warns_and_trains(tmp_path):
+    from functools import partial
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    cb = LLMemCallback(gpu="h100-sxm")
+    policy = partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    trainer = _trainer(tmp_path, _model(), cb, steps=1, gradient_checkpointing=True,
+                       gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": policy})
+    with pytest.warns(UserWarning, match="cannot read"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and cb.check is None

@@ -34,6 +34,12 @@ CASES = (
     "tiny-seqcls-bert-base-uncased-bf16-mixed-s64-b2-sdpa",  # BERT and RoBERTa classifiers
     "tiny-seqcls-roberta-base-fp32-s64-b2-sdpa",
     "tiny-bert-base-uncased-bf16-mixed-s64-b2-sdpa",  # BERT's masked-LM head
+    # Checkpointing policies (4 layers, activations set the peak): every second layer; op-level SAC, where
+    # torch's policy sees the real CUDA SDPA op and the estimator's emulation stands in for it.
+    "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-every2-sdpa",
+    "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-sac-torchtitan-sdpa",
+    "tiny4-llama-3.2-1b-bf16-s256-b4-gc-sac-torchtitan-lora-sdpa",
+    "tiny4-qwen2.5-0.5b-bf16-mixed-s256-b4-gc-sac-_scaled_dot_product_efficient_attention+mm-sdpa",
 )
 
 
