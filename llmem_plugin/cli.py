@@ -111,12 +111,20 @@ _LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every to
 _TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequence; longer than any model's context")
 _CHECKPOINT_EVERY = _int_arg("--checkpoint-every", 1, 1024, "more than any model's layers")
 _IMAGES = _int_arg("--images", 1, 64, "images per sample; beyond any vision-language recipe")
+_STEPS = _int_arg("--steps", 1, 5000, "steps replayed; llmem_plugin.varlen.MAX_STEPS")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and batch")
     g.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
     g.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    g.add_argument("--seq-lens", default=None, metavar="LENGTHS",
+                   help="variable-length batches: sample lengths as a file (one per line, a JSON list, or JSONL "
+                        "with 'length' or 'input_ids'), MIN:MAX, MIN:MAX:MEAN or LEN:COUNT,...; each micro-batch "
+                        "is padded to its longest sample (up to --seq-len) and a run of steps is replayed through "
+                        "the allocator (docs/techniques/variable-length.md)")
+    g.add_argument("--steps", type=_STEPS, default=None,
+                   help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
     g.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
                         "image-text-to-text, masked-lm (default: the class the config's architectures names; "
@@ -521,6 +529,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
     _choose_precision(args)
     gpu, wl = _gpu(args), _workload(args)
+    if args.steps is not None and args.seq_lens is None:
+        raise ConfigError(f"--steps {args.steps} sets how many steps of varying length are replayed. HINT: add "
+                          "--seq-lens (the sample lengths), or drop --steps")
+    if args.seq_lens is not None:
+        return _cmd_varlen(args, gpu, wl)
     est = estimate(args.model, wl, fast=args.fast, gpu=gpu, alloc_conf=args.alloc_conf,
                    torch_version=args.torch_version, host_memory=args.host_memory)
     if args.plot:
@@ -542,6 +555,30 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         return EXIT_WONT_FIT
     if not est.host_fits:
         print(_host_misfit(est.host_bytes, est.host_capacity_bytes, est.host_memory_source), file=sys.stderr)
+        return EXIT_WONT_FIT
+    return 0
+
+
+def _cmd_varlen(args: argparse.Namespace, gpu, wl) -> int:
+    from llmem_plugin.errors import ConfigError
+    from llmem_plugin.varlen import estimate_variable_length
+
+    if args.plot:
+        raise ConfigError("--plot draws one fixed-shape step. HINT: drop --plot with --seq-lens")
+    v = estimate_variable_length(args.model, wl, args.seq_lens, steps=args.steps, fast=args.fast, gpu=gpu,
+                                 alloc_conf=args.alloc_conf, torch_version=args.torch_version)
+    if args.json:
+        print(json.dumps(v.to_dict()))
+    else:
+        from rich.console import Console
+
+        from llmem_plugin.report import render_varlen
+
+        render_varlen(v, wl, gpu.name, Console())
+    if not v.fits:
+        print(f"llmem: the run does not fit the {gpu.name} ({_size(v.capacity_bytes)}); exit code "
+              f"{EXIT_WONT_FIT}. HINT: lower --batch-size or --seq-len (truncation), or add --grad-checkpointing",
+              file=sys.stderr)
         return EXIT_WONT_FIT
     return 0
 

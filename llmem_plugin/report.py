@@ -361,3 +361,28 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
         console.print(f"[dim]skipped {name}: {why}[/dim]")
     console.print(f"[dim]memory 'screened': from fast-mode traces of each method; 'traced': the method's full "
                   f"trace at exactly that configuration. Planned in {plan.seconds:.1f} s.[/dim]")
+
+
+def render_varlen(v, wl, gpu_name: str, console: Console) -> None:
+    """Print a variable-length run (:class:`llmem_plugin.varlen.VarLenEstimate`)."""
+    d = v.derivation
+    console.print(f"variable-length batches: {v.lengths.source} (mean {v.lengths.mean:.0f} tokens), micro-batch "
+                  f"{wl.micro_batch_size} padded to its longest sample, truncated at {wl.seq_len}; "
+                  f"{v.steps} steps replayed on the {gpu_name}")
+    table = Table()
+    table.add_column("", style="bold")
+    table.add_column("allocated GiB", justify="right")
+    table.add_column("reserved GiB", justify="right")
+    table.add_row(f"whole run (worst step {v.worst_step + 1})", gib(v.peak_allocated_bytes), gib(v.peak_reserved_bytes))
+    table.add_row(f"after warm-up (step {v.warmup_steps})", "", gib(v.reserved_after_warmup_bytes))
+    table.add_row(f"fixed shape at the longest micro-batch ({v.longest} tokens)", gib(v.fixed_allocated_bytes),
+                  gib(v.fixed_reserved_bytes))
+    console.print(table)
+    verdict = "fits" if v.fits else "does NOT fit"
+    console.print(f"device total {gib(v.device_total_bytes)} GiB of {gib(v.capacity_bytes)} GiB: {verdict}")
+    if v.alloc_retries:
+        console.print(f"at this capacity the allocator frees its cached blocks and retries {v.alloc_retries} time(s) "
+                      "over the run: reserved is the replay capped at the GPU's memory")
+    switches = f"; the allocations change structure at {', '.join(map(str, d.switches))} tokens" if d.switches else ""
+    console.print(f"sizes derived per allocation from {d.traces} traced lengths{switches}")
+    console.print(f"activation checkpointing: {checkpointing_policy(wl)}")

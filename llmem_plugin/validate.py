@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmem_plugin.errors import ConfigError, LLMemError
+from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError
 
 __all__ = ["DEVICE_KINDS", "METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "device_kind",
            "load_rows", "validate_rows"]
@@ -268,6 +268,14 @@ def _estimate_row(row: dict[str, Any], config: Any, wl: Any, **kw: Any) -> dict[
     from llmem_plugin.estimate import estimate
 
     method = row.get("method") or {}
+    if row.get("seq_lens") is not None:  # steps of varying length: the same run replayed
+        from llmem_plugin.varlen import estimate_variable_length
+
+        if method.get("name", "single") != "single" or method.get("num_gpus", 1) != 1:
+            raise UnsupportedError(f"row '{row['id']}': variable lengths are modelled on one GPU only")
+        v = estimate_variable_length(config, wl, row["seq_lens"], steps=max(len(row.get("steps") or ()), 1), **kw)
+        return {"tensor": v.peak_allocated_bytes, "allocated": v.peak_allocated_bytes,
+                "reserved": v.peak_reserved_bytes, "device_total": v.device_total_bytes, "fits": v.fits}
     if method.get("name", "single") == "single" and method.get("num_gpus", 1) == 1:
         est = estimate(config, wl, **kw)
         return {"tensor": est.peak_tensor_bytes, "allocated": est.peak_allocated_bytes,

@@ -171,11 +171,18 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
     offload = techniques.offload_factory(model, wl)
     vocab, dtype = _vocab(model), wl.precision.autocast_dtype
     gen = torch.Generator(device=device).manual_seed(0)
+    lengths = [[wl.seq_len] * wl.grad_accum_steps] * steps
+    if case.seq_lens is not None:  # each micro-batch padded to its longest sample (llmem_plugin.varlen)
+        from llmem_plugin.varlen import parse_lengths, step_lengths
+
+        lengths = step_lengths(parse_lengths(case.seq_lens), micro_batch_size=wl.micro_batch_size,
+                               grad_accum_steps=wl.grad_accum_steps, max_len=wl.seq_len, steps=steps)
     rec.reset()
     for step in range(1, steps + 1):
         rec.step_in_progress = step
-        for _ in range(wl.grad_accum_steps):
-            input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device=device, generator=gen)
+        for micro in range(wl.grad_accum_steps):
+            shape = (wl.micro_batch_size, lengths[step - 1][micro])
+            input_ids = torch.randint(0, vocab, shape, device=device, generator=gen)
             labels = make_labels(model, input_ids, wl).to(device)  # the task's labels (llmem_plugin.tasks)
             extra = {k: v.to(device) for k, v in extra_inputs(model, input_ids, wl).items()}
             ref_logps = None

@@ -56,6 +56,9 @@ class Case:
         expect: For edge cases: "fit", "oom" or "boundary" (within ~1 GiB).
         note: Why the case is in the matrix (for edge cases: the prediction).
         config_overrides: (key, value) pairs applied to the catalog config.
+        seq_lens: A sample-length distribution (``llmem_plugin.varlen``
+            spelling): each micro-batch is padded to its longest sample, so
+            every step has its own length, up to ``workload.seq_len``.
     """
 
     id: str
@@ -66,8 +69,11 @@ class Case:
     expect: str | None = None
     note: str = ""
     config_overrides: tuple[tuple[str, Any], ...] = field(default=())
+    seq_lens: str | None = None
 
     def __post_init__(self) -> None:
+        if self.seq_lens is not None and self.runner != "torch":
+            raise ValueError(f"case {self.id}: variable lengths run under the torch runner only")
         if catalog.lookup(self.model) != self.model:
             raise ValueError(f"case {self.id}: {self.model!r} is not a catalog name; valid: {catalog.names()}")
         if self.runner not in RUNNERS:
@@ -103,7 +109,7 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
 def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, optimizer: str = "adamw",
           gc: bool = False, lora: LoraSpec | None = None, attn: str = "sdpa", runner: str = "torch",
           expect: str | None = None, note: str = "", overrides: dict[str, Any] | None = None,
-          prefix: str = "", **technique: Any) -> Case:
+          prefix: str = "", seq_lens: str | None = None, **technique: Any) -> Case:
     """A case; ``technique`` holds Workload fields of the low-memory techniques.
 
     Their id parts come last, and only when set, so the ids of cases without
@@ -116,8 +122,11 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     parts += [attn] + [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
     parts += [f"img{wl.images}"] * (wl.images is not None) + ["frozen-vision"] * wl.freeze_vision
+    if seq_lens is not None:
+        parts.append("vlen" + seq_lens.replace(":", "_").replace(",", "+"))
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
-                expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())))
+                expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())),
+                seq_lens=seq_lens)
 
 
 def _checkpoint_parts(wl: Workload) -> list[str]:
@@ -304,6 +313,9 @@ def _gpu(case_id: str) -> Case:
 # autocast, accumulation 2, a small MoE) where the GPU matrix has none.
 # Nothing is computed on the stub, so sizes cost only host time.
 _QWEN3_MOE_SMALL = {"num_hidden_layers": 4}  # 128 experts, top-8, as the full model; 4 of its 48 layers
+# As _tiny() below, with 4 layers.
+_TINY4 = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 512}
 STUB_CASES: list[Case] = [
     _gpu("gpt2-fp32-s1024-b8-sdpa"),
     _gpu("gpt2-bf16-mixed-s1024-b16-eager"),
@@ -329,6 +341,12 @@ STUB_CASES: list[Case] = [
     _gpu("llama-3.1-8b-bf16-s512-b1-sdpa"),
     _gpu("llama-3.1-8b-bf16-mixed-s2048-b1-lora-sdpa"),
     _case("qwen3-30b-a3b", "bf16", 1024, 2, lora=LORA, overrides=_QWEN3_MOE_SMALL, prefix="l4-"),
+    # Variable-length batches (llmem_plugin.varlen): every micro-batch padded to its longest sample, tiny
+    # 4-layer models; run with --steps 60 or more (tests/stub/test_varlen.py).
+    _case("llama-3.2-1b", "bf16-mixed", 512, 4, attn="eager", overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", seq_lens="16:512:120"),
+    _case("qwen2.5-0.5b", "bf16", 384, 2, accum=2, optimizer="adamw-fused", lora=LoraSpec(rank=4),
+          overrides=_TINY4, prefix="tiny4-", seq_lens="200:384"),
 ]
 
 

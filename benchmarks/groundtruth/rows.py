@@ -74,6 +74,7 @@ def new_row(case: Case, *, device: str, runner: str, env: dict[str, Any], gpu: d
         "device_kind": DEVICE_KINDS[device],
         "edge": case.edge,
         "workload": case.workload.to_dict(),
+        **({"seq_lens": case.seq_lens} if case.seq_lens is not None else {}),
         "status": "error",
         "error": "did not finish",
         "steps": [],
