@@ -31,6 +31,9 @@ module runs the others through the real model:
   its output projection, optionally followed by final-logit softcapping
   (Gemma 2/3) or a constant logit scale (Granite, Cohere), is modelled; the
   same transform runs on each chunk.
+* ``"cce"``: Cut Cross-Entropy (``cut-cross-entropy`` 25.1.1, see
+  :mod:`llmem_plugin.cce`): no logits at all; any causal LM whose forward
+  projects (and optionally softcaps) the last hidden state.
 * ``"liger"``: liger-kernel 0.8.5's fused linear cross-entropy
   (``liger_kernel/ops/fused_linear_cross_entropy.py``, driven by
   ``liger_kernel/transformers/model/llama.py`` ``lce_forward`` and
@@ -150,6 +153,8 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
     if workload.loss is LossImpl.CHUNKED:
         head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm))
+    elif workload.loss is LossImpl.CCE:
+        head = _cce_head(causal_lm)
     else:
         _check_arch(arch, LIGER_ARCHS, workload.loss)
         head = _liger_head
@@ -323,6 +328,35 @@ def _forward_replaced(causal_lm: PreTrainedModel, head) -> Iterator[None]:
             del causal_lm.forward
         else:
             causal_lm.forward = previous
+
+
+# ----------------------------------------------------------------------------- cut cross-entropy
+
+
+def _cce_head(causal_lm: PreTrainedModel):
+    """The ``cut_cross_entropy.transformers`` patched forward after the base model:
+    ``linear_cross_entropy(hidden, lm_head.weight, labels, shift=True, softcap=...)``."""
+    try:
+        logit_transform(causal_lm)  # only its projection, or softcapping, or a logit scale
+    except ConfigError:
+        raise ConfigError(f"--loss cce is not modelled for '{type(causal_lm).__name__}': its forward does more to "
+                          "the logits than project and softcap them. HINT: use --loss hf or --loss no-upcast") from None
+    cfg = causal_lm.config
+    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0) or hasattr(causal_lm, "logit_scale"):
+        raise ConfigError(f"--loss cce is not modelled for '{type(causal_lm).__name__}': it scales its logits, and "
+                          "cut-cross-entropy takes no logit scale. HINT: use --loss hf or --loss no-upcast")
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from llmem_plugin.cce import cce_loss
+
+        lm_head = self.get_output_embeddings()
+        if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+            raise ConfigError(f"--loss cce reads lm_head.weight of a plain bias-free nn.Linear; this model's head is "
+                              f"'{type(lm_head).__name__}'. HINT: leave lm_head out of --lora-targets, or use --loss hf")
+        return cce_loss(hidden, lm_head.weight, labels, softcap)
+
+    return head
 
 
 # ----------------------------------------------------------------------------- liger

@@ -54,6 +54,8 @@ def loss_path(est: Estimate) -> str:
     if est.model_class and not est.model_class.endswith(("ForCausalLM", "LMHeadModel")):
         return f"{est.model_class}'s own loss"  # other tasks: their forward's loss, as traced
     keep = f" on the last {wl.logits_to_keep} tokens" if wl.logits_to_keep else ""
+    if wl.loss.value == "cce":
+        return "Cut Cross-Entropy (cut-cross-entropy: no logits; lse, positions and the vocabulary order only)"
     if wl.loss.value == "liger":
         return "liger-kernel fused linear cross-entropy (no full logits)"
     if wl.loss.value == "chunked":

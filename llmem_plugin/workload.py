@@ -161,13 +161,15 @@ class LossImpl(str, Enum):
     in the dtype the model produced them (trainers that call
     ``F.cross_entropy`` on bf16 logits); LIGER is liger-kernel's fused linear
     cross-entropy (no full logits); CHUNKED is a loss over sequence chunks of
-    the logits (torchtune's ``CEWithChunkedOutputLoss``).
+    the logits (torchtune's ``CEWithChunkedOutputLoss``); CCE is Cut
+    Cross-Entropy (``cut-cross-entropy``, no logits at all).
     """
 
     HF = "hf"
     NO_UPCAST = "no-upcast"
     LIGER = "liger"
     CHUNKED = "chunked"
+    CCE = "cce"
 
 
 class ActivationOffload(str, Enum):

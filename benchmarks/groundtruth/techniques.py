@@ -297,6 +297,8 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
         return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast)
     if wl.loss is LossImpl.NO_UPCAST:
         return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep)
+    if wl.loss is LossImpl.CCE:
+        return cce_loss(model, input_ids, labels)
     if not wl.logits_to_keep:
         return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {})).loss
     if wl.loss is LossImpl.LIGER:
@@ -305,6 +307,16 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
     lm = _causal_lm(model)
     logits = model(input_ids=input_ids, logits_to_keep=k, use_cache=False).logits
     return lm.loss_function(logits=logits, labels=labels[:, -k:], vocab_size=lm.config.get_text_config().vocab_size)
+
+
+def cce_loss(model, input_ids, labels):
+    """Cut Cross-Entropy as its transformers patches call it: the base model's last hidden state,
+    ``linear_cross_entropy(hidden, lm_head.weight, labels, shift=True)`` with the package's defaults."""
+    cce = _require("cut_cross_entropy", "loss cce")
+    lm = _causal_lm(model)
+    hidden = getattr(lm, lm.base_model_prefix)(input_ids=input_ids, use_cache=False)[0]
+    softcap = getattr(lm.config, "final_logit_softcapping", None)
+    return cce.linear_cross_entropy(hidden, lm.get_output_embeddings().weight, labels, shift=True, softcap=softcap)
 
 
 def offload_factory(model, wl: Workload) -> Callable[[], contextlib.AbstractContextManager]:

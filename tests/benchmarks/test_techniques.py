@@ -324,7 +324,7 @@ def test_technique_cases_cover_each_setting():
     assert {w.optimizer.value for m, w in wls if m == "llama-3.2-1b" and w.lora is None} >= {
         "adamw8bit", "paged-adamw8bit", "paged-adamw", "adamw-forloop"}
     assert any(w.attn_implementation.value == "flash_attention_2" and w.precision.value == "bf16" for _, w in wls)
-    assert {w.loss.value for m, w in wls if m == "llama-3.2-1b" and w.seq_len == 4096} == {"hf", "liger", "chunked"}
+    assert {w.loss.value for m, w in wls if m == "llama-3.2-1b" and w.seq_len == 4096} == {"hf", "liger", "chunked", "cce"}
     assert any(w.logits_to_keep for _, w in wls)
     assert {w.offload_activations.value for m, w in wls if w.offload_activations and m == "llama-3.2-1b"} == {
         "save-on-cpu", "streamed"}
