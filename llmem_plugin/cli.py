@@ -125,6 +125,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "the allocator (docs/techniques/variable-length.md)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
+    g.add_argument("--load", default="direct", choices=("direct", "fp32-cast"),
+                   help="how the weights reach the GPU before step 1: direct (each tensor once in its training "
+                        "dtype, the default) or fp32-cast (materialised in fp32, then cast one by one); the report "
+                        "gives the setup phase beside the step")
     g.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
                         "image-text-to-text, masked-lm (default: the class the config's architectures names; "
@@ -284,6 +288,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "task": getattr(args, "task", None),
         "checkpoint_every": getattr(args, "checkpoint_every", 1),
         "checkpoint_save_ops": getattr(args, "checkpoint_save_ops", None),
+        "load": getattr(args, "load", "direct"),
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -145,6 +146,11 @@ class Estimate:
     host_bytes: int = 0
     host_capacity_bytes: int = 0
     host_memory_source: str = ""
+    # The setup phase (llmem_plugin.loading): allocated and reserved once the
+    # weights are on the GPU, before step 1 (None where the trace has no
+    # setup mark). The peaks above cover it: the replay starts there.
+    setup_allocated_bytes: int | None = None
+    setup_reserved_bytes: int | None = None
 
     @property
     def host_fits(self) -> bool:
@@ -230,6 +236,8 @@ class Estimate:
             "host_capacity_bytes": self.host_capacity_bytes,
             "host_memory_source": self.host_memory_source,
             "host_fits": self.host_fits,
+            "setup_allocated_bytes": self.setup_allocated_bytes,
+            "setup_reserved_bytes": self.setup_reserved_bytes,
         }
 
 
@@ -578,6 +586,28 @@ def simulate_trace(
     return capped, True
 
 
+def setup_peaks(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads) -> tuple[int, int] | None:
+    """Peak allocated and reserved of the setup phase: the replay up to the
+    trace's ``loaded`` mark (:data:`llmem_plugin.step.LOADED_MARK`), or None without it."""
+    from llmem_plugin.step import LOADED_MARK
+
+    pos = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}")
+    if pos is None:
+        return None
+    events, _ = allocator_events(trace, overheads)
+    # allocator_events keeps the trace's events in order and only inserts
+    # workspace allocations (negative keys): cut after the trace's first pos events.
+    seen, cut = 0, len(events)
+    for j, (_, key, _) in enumerate(events):
+        if key >= 0:
+            if seen == pos:
+                cut = j
+                break
+            seen += 1
+    res = replay(events[:cut], config)
+    return res.peak_allocated_bytes, res.peak_reserved_bytes
+
+
 def _extrapolated_simulation(ext: Any, config: AllocatorConfig, overheads: DeviceOverheads) -> AllocatorResult:
     """Allocator peaks of the full depth from the two shortened traces.
 
@@ -696,15 +726,24 @@ def estimate(
         from llmem_plugin.fast import extrapolated_trace
         from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
 
-        ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True),
-                                 trace_full=trace)
+        from llmem_plugin import loading
+
+        splice_setup = loading.has_transients(wl)  # the copies load directly; the full model's setup is spliced in
+        with loading.direct_only() if splice_setup else contextlib.nullcontext():
+            ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True),
+                                     trace_full=trace)
         result = ext.result
         fast_notes = (ext.note,) if ext.note else ()
         if result is None:  # layer kinds unknown: the full trace below
             fast = False
+        elif ext.short is None and splice_setup:  # the model itself was traced, loading directly
+            result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl), result)
         elif ext.short is not None:
             try:
                 result = full_depth_trace(ext.short, ext.long, ext.plan, result)
+                if splice_setup:
+                    result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl),
+                                            result)
             except SynthesisError as e:
                 replay_in_full = False
                 sim = _extrapolated_simulation(ext, config, overheads)
@@ -716,6 +755,9 @@ def estimate(
                     fast_notes += (f"fast mode extrapolated the allocator's peaks per layer, as the full event "
                                    f"stream could not be built ({e}): reserved may be off by up to "
                                    f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure",)
+                    if splice_setup:
+                        fast_notes += ("the setup phase (loading the weights) is not in these extrapolated peaks; "
+                                       "drop --fast to include it",)
     if not fast:
         fast = False
         result = trace(full, wl)
@@ -724,6 +766,7 @@ def estimate(
         timeline = _thin(result.timeline, _TIMELINE_POINTS)
         memory_timeline = sim.timeline
     host_peak = ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes
+    setup = setup_peaks(result, config, overheads) if replay_in_full or not fast else None
     return Estimate(
         model=_describe(model),
         model_class=type(full.get_base_model() if hasattr(full, "get_base_model") else full).__name__,
@@ -756,6 +799,8 @@ def estimate(
         host_capacity_bytes=host_cap.node_bytes,
         host_memory_source=host_cap.source,
         notes=_notes(model_config, wl) + fast_notes + tuple(dict.fromkeys(accum_notes)),
+        setup_allocated_bytes=None if setup is None else setup[0],
+        setup_reserved_bytes=None if setup is None else setup[1],
     )
 
 

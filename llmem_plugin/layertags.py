@@ -31,6 +31,8 @@ whose length is the config's layer count.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +142,14 @@ class LayerTaggingTracker(MemoryTracker):
             self._see(t.untyped_storage(), category)
         self._override = _UNSET
         self.label(tensors, category)
+
+    @contextlib.contextmanager
+    def owned_by(self, tensor: torch.Tensor):
+        previous, self._override = self._override, self._tensor_layer.get(id(tensor))
+        try:
+            yield
+        finally:
+            self._override = previous
 
     def _layer_of_tensor(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

@@ -48,6 +48,16 @@ def checkpointing_policy(wl) -> str:
     return f"{which} op-level selective: {parse_save_ops(wl.checkpoint_save_ops).describe()}"
 
 
+def load_path(wl) -> str:
+    """How the traced job's weights reach the GPU, in words (llmem_plugin.loading)."""
+    if wl.quantize is not None:
+        prep = ", then k-bit preparation casts the other weights to fp32" if wl.kbit_prepare == "on" else ""
+        return f"weights quantized on load by bitsandbytes, each arriving 16-bit first{prep}"
+    if wl.load == "fp32-cast":
+        return "weights materialised in fp32, then cast to their training dtype one by one"
+    return "weights loaded once each in their training dtype"
+
+
 def loss_path(est: Estimate) -> str:
     """How the traced step computed its loss, in words (llmem_plugin.loss)."""
     wl = est.workload
@@ -129,6 +139,9 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                       f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
     console.print(f"loss path: {loss_path(est)}")
     console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
+    if est.setup_allocated_bytes is not None:
+        console.print(f"setup ({load_path(wl)}): {gib(est.setup_allocated_bytes)} GiB allocated, "
+                      f"{gib(est.setup_reserved_bytes)} GiB reserved before step 1; the peaks above include it")
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")

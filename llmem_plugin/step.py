@@ -153,6 +153,9 @@ def traced_micro_steps(grad_accum_steps: int, max_micro_steps: int | None = None
     return [*range(max_micro_steps - 1), grad_accum_steps - 1]
 
 
+LOADED_MARK = "loaded"
+
+
 def micro_mark(iteration: int, micro: int) -> str:
     """The trace mark at the start of a micro-step (``TraceResult.marks`` key)."""
     return f"micro:{iteration}:{micro}:{Phase.SETUP.value}"
@@ -261,9 +264,14 @@ def trace_step(
             stack.enter_context(ctx)
         if offload:
             tracker.register(params, MemoryCategory.HOST)
+        elif type(hooks) is StepHooks:  # the plain loop: the weights arrive as the job loads them
+            from llmem_plugin.loading import place_weights
+
+            place_weights(tracker, model, params, workload, lambda ps: hooks.register_parameters(tracker, ps))
         else:
             hooks.register_parameters(tracker, params)
         tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+        tracker.mark(LOADED_MARK)  # the end of the setup phase (TraceResult.marks["loaded:setup"])
         if wrap is not None:
             start = tracker.num_records
             model = wrap(model)

@@ -15,6 +15,7 @@ keeps on the host are dropped from the device totals.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -215,6 +216,11 @@ class MemoryTracker(TorchDispatchMode):
             self._see(t.untyped_storage(), category)
         self.label(tensors, category)
 
+    def owned_by(self, tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Allocations inside the block belong with ``tensor`` (a parameter):
+        a layer-tagging tracker tags them with its layer. Here: nothing."""
+        return contextlib.nullcontext()
+
     def label(self, tensors: Iterable[torch.Tensor], category: MemoryCategory) -> None:
         """Give the storages of ``tensors`` their final ``category``."""
         for t in tensors:
@@ -314,11 +320,13 @@ class MemoryTracker(TorchDispatchMode):
         timeline: list[tuple[int, Phase, int]] = []
         events: list[tuple[int, int, int]] = []
         host = host_peak = 0
-        at_event = {i: name for name, i in self._marks.items()}
+        at_event: dict[int, list[str]] = {}
+        for name, i in self._marks.items():
+            at_event.setdefault(i, []).append(name)  # several marks can share a position
         marks: dict[str, int] = {}
         for i, ((sign, idx), phase) in enumerate(zip(self._events, self._phase_of_event)):
-            if i in at_event:
-                marks[at_event[i]] = len(events)
+            for name in at_event.get(i, ()):
+                marks[name] = len(events)
             rec = recs[idx]
             if rec.category is MemoryCategory.HOST:
                 host += sign * rec.nbytes

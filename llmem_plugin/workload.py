@@ -344,6 +344,11 @@ class Workload:
         checkpoint_every: With ``grad_checkpointing``, checkpoint every this
             many-th decoder layer only (torchtitan's layer-level selective
             AC: layers ``k-1, 2k-1, ...``; 1: every layer).
+        load: How the weights reach the GPU before step 1
+            (:mod:`llmem_plugin.loading`): ``direct`` (each tensor once, in
+            its training dtype) or ``fp32-cast`` (materialised in fp32, then
+            cast to the 16-bit training dtype). QLoRA always loads as
+            bitsandbytes quantizes on load.
         checkpoint_save_ops: With ``grad_checkpointing``, op-level selective
             checkpointing: the checkpointed layers keep these ops' outputs
             and recompute the rest (:mod:`llmem_plugin.checkpointing`): a
@@ -376,6 +381,7 @@ class Workload:
     task: str | None = None
     checkpoint_every: int = 1
     checkpoint_save_ops: str | None = None
+    load: str = "direct"
     images: int | None = None
     freeze_vision: bool = False
 
@@ -451,6 +457,9 @@ class Workload:
         if self.logits_to_keep > self.seq_len:
             raise ConfigError(f"logits_to_keep {self.logits_to_keep} exceeds seq_len {self.seq_len}. "
                               "HINT: pass --logits-to-keep N with N <= --seq-len, or 0 for all tokens")
+        from llmem_plugin.loading import check as check_load
+
+        check_load(self)
 
     def to_dict(self) -> dict:
         return {
@@ -481,6 +490,7 @@ class Workload:
             "task": self.task,
             "checkpoint_every": self.checkpoint_every,
             "checkpoint_save_ops": self.checkpoint_save_ops,
+            "load": self.load,
             "images": self.images,
             "freeze_vision": self.freeze_vision,
         }
