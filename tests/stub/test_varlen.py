@@ -8,12 +8,11 @@ run from the derived event streams.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from benchmarks.groundtruth import run
 from llmem_plugin.validate import validate_rows
+
+from .conftest import run_cases
 
 CASES = (
     "tiny4-llama-3.2-1b-bf16-mixed-s512-b4-eager-vlen16_512_120",  # autocast, eager attention, foreach AdamW
@@ -25,9 +24,7 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def rows(stub, tmp_path_factory):
-    out = tmp_path_factory.mktemp("stub") / "rows.jsonl"
-    assert run.main(["--device", "stub", "--out", str(out), "--steps", "60", "--only", *CASES]) == 0
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return run_cases(tmp_path_factory, CASES, steps=60)
 
 
 def test_the_runs_change_shape_and_their_cache_grows(rows):

@@ -12,12 +12,11 @@ in benchmarks/groundtruth/data/stub-h100-2026-11-25.jsonl.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from benchmarks.groundtruth import run
 from llmem_plugin.validate import validate_rows
+
+from .conftest import run_cases
 
 # tiny = catalog config with 2 layers, hidden 64 (benchmarks/groundtruth/matrix.py CPU_CASES),
 # run under the "torch" runner on the stub.
@@ -45,9 +44,7 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def rows(stub, tmp_path_factory):
-    out = tmp_path_factory.mktemp("stub") / "rows.jsonl"
-    assert run.main(["--device", "stub", "--out", str(out), "--steps", "2", "--only", *CASES]) == 0
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return run_cases(tmp_path_factory, CASES, steps=2)
 
 
 def test_rows_are_stub_evidence(rows):
