@@ -596,32 +596,39 @@ def _host_misfit(need: int, capacity: int, source: str) -> str:
 
 def _parser_plan(sub) -> None:
     p = sub.add_parser("plan", help="pick the fastest fine-tuning method that fits the GPUs, or say why none does")
-    p.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
-    p.add_argument("--gpus", type=_GPUS, default=None, help="GPUs over all nodes (default: this machine's)")
-    p.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
-    _add_gpu_args(p)
-    p.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--global-batch", type=_GLOBAL_BATCH, default=None,
+    g = p.add_argument_group("model and batch")
+    g.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
+    g.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
+    g.add_argument("--global-batch", type=_GLOBAL_BATCH, default=None,
                    help="sequences per optimizer step over all GPUs (default 8 per GPU)")
-    p.add_argument("--margin", type=_float_arg("--margin", 0, 1, high_open=True, example="0.05"), default=None, help="fraction of GPU memory kept free (default 0.05)")
-    p.add_argument("--methods", default=None, help="comma-separated methods to consider (default: all)")
-    p.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default: all that fit a node)")
-    p.add_argument("--micro-batch", type=_MICRO_BATCH, default=None, help="pin the micro-batch (default: searched)")
-    p.add_argument("--grad-checkpointing", choices=("auto", "on", "off"), default="auto",
+    g = p.add_argument_group("cluster", "the GPUs the job gets")
+    g.add_argument("--gpus", type=_GPUS, default=None, help="GPUs over all nodes (default: this machine's)")
+    g.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
+    _add_host_arg(g)
+    _add_gpu_args(p)
+    g = p.add_argument_group("search", "what the planner tries; a pinned setting is not searched")
+    g.add_argument("--margin", type=_float_arg("--margin", 0, 1, high_open=True, example="0.05"), default=None,
+                   help="fraction of GPU memory kept free (default 0.05)")
+    g.add_argument("--methods", default=None, help="comma-separated methods to consider (default: all)")
+    g.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default: all that fit a node)")
+    g.add_argument("--micro-batch", type=_MICRO_BATCH, default=None, help="pin the micro-batch (default: searched)")
+    g.add_argument("--grad-checkpointing", choices=("auto", "on", "off"), default="auto",
                    help="search checkpointing (auto, default) or pin it")
-    _add_step_args(p)
-    p.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
-    p.add_argument("--efficiency", type=_float_arg("--efficiency", 0, 1, low_open=True, example="0.4"), default=None,
-                   help="model FLOPs utilisation of the step-time model (default 0.40)")
-    p.add_argument("--inter-node-gbps", type=_float_arg("--inter-node-gbps", 0, 1e4, low_open=True, example="50"), default=None,
-                   help="network GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
-    p.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
-    p.add_argument("--no-prune", action="store_true",
+    g.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
+    g.add_argument("--no-prune", action="store_true",
                    help="screen every candidate, also those whose step-time bound cannot win (the full table)")
-    p.add_argument("--all", action="store_true", help="list every candidate")
-    p.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _add_host_arg(p)
+    _add_step_args(p)
+    g = p.add_argument_group("allocator")
+    g.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
+    g = p.add_argument_group("step-time model", "how candidates are ranked")
+    g.add_argument("--efficiency", type=_float_arg("--efficiency", 0, 1, low_open=True, example="0.4"), default=None,
+                   help="model FLOPs utilisation of the step-time model (default 0.40)")
+    g.add_argument("--inter-node-gbps", type=_float_arg("--inter-node-gbps", 0, 1e4, low_open=True, example="50"),
+                   default=None, help="network GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
+    g = p.add_argument_group("output")
+    g.add_argument("--all", action="store_true", help="list every candidate")
+    g.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
+    g.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
 

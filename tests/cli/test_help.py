@@ -32,3 +32,22 @@ def test_estimate_help_groups_the_recipe_options(capsys):
             assert flag in sections[title], (title, flag)
     # Each option is listed once, in its group only.
     assert "--loss " not in sections["options"] and "--quantize" not in sections["options"]
+
+
+def test_plan_help_groups_its_options(capsys):
+    assert main(["plan", "--help"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    expected = {
+        "model and batch": ["--model", "--seq-len", "--global-batch"],
+        "cluster": ["--gpus", "--nodes", "--host-memory"],
+        "GPU and environment": ["--gpu ", "--gpu-memory"],
+        "search": ["--margin", "--methods", "--tp", "--micro-batch", "--grad-checkpointing", "--no-verify"],
+        "allocator": ["--alloc-conf"],
+        "step-time model": ["--efficiency", "--inter-node-gbps"],
+        "output": ["--all", "--plot", "--json"],
+    }
+    for title, flags in expected.items():
+        assert title in sections, sorted(sections)
+        for flag in flags:
+            assert flag in sections[title], (title, flag)
+    assert "--model" not in sections["options"] and "--margin" not in sections["options"]
