@@ -586,6 +586,16 @@ def simulate_trace(
     return capped, True
 
 
+def trace_positions(events: list[tuple[int, int, int]]) -> list[int]:
+    """Where each trace event lies in :func:`allocator_events`' output, plus its length at the end.
+
+    allocator_events keeps the trace's events in order and only inserts
+    workspace allocations (negative keys): the k-th event with a key >= 0 is
+    the trace's event k.
+    """
+    return [j for j, (_, key, _) in enumerate(events) if key >= 0] + [len(events)]
+
+
 def setup_peaks(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads) -> tuple[int, int] | None:
     """Peak allocated and reserved of the setup phase: the replay up to the
     trace's ``loaded`` mark (:data:`llmem_plugin.step.LOADED_MARK`), or None without it."""
@@ -595,16 +605,7 @@ def setup_peaks(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOv
     if pos is None:
         return None
     events, _ = allocator_events(trace, overheads)
-    # allocator_events keeps the trace's events in order and only inserts
-    # workspace allocations (negative keys): cut after the trace's first pos events.
-    seen, cut = 0, len(events)
-    for j, (_, key, _) in enumerate(events):
-        if key >= 0:
-            if seen == pos:
-                cut = j
-                break
-            seen += 1
-    res = replay(events[:cut], config)
+    res = replay(events[:trace_positions(events)[pos]], config)
     return res.peak_allocated_bytes, res.peak_reserved_bytes
 
 

@@ -508,18 +508,11 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
 
 def _boundaries(trace: Any, events: list[tuple[int, int, int]], micro_steps: int) -> tuple[int, ...]:
     """Segment starts in the allocator-event stream: each traced micro-step and each optimizer phase."""
+    from llmem_plugin.estimate import trace_positions
     from llmem_plugin.step import micro_mark
     from llmem_plugin.tracker import Phase
 
-    # allocator_events keeps the trace's events in order and inserts workspace
-    # allocations (negative keys) before some of them: the k-th event with a
-    # key >= 0 is the trace's event k.
-    where, k = {}, 0
-    for j, (_, key, _) in enumerate(events):
-        if key >= 0:
-            where[k] = j
-            k += 1
-    where[k] = len(events)
+    where = trace_positions(events)
     phases = [p for _, p, _ in trace.timeline]
     starts = []
     for it in range(2):

@@ -16,6 +16,13 @@ def _sections(text: str) -> dict[str, str]:
     return out
 
 
+def _assert_groups(sections: dict[str, str], expected: dict[str, list[str]]) -> None:
+    for title, flags in expected.items():
+        assert title in sections, sorted(sections)
+        for flag in flags:
+            assert flag in sections[title], (title, flag)
+
+
 def test_estimate_help_groups_the_recipe_options(capsys):
     assert main(["estimate", "--help"]) == 0
     sections = _sections(capsys.readouterr().out)
@@ -26,10 +33,7 @@ def test_estimate_help_groups_the_recipe_options(capsys):
         "LoRA": ["--lora-rank", "--lora-targets"],
         "distributed method": ["--method", "--gpus", "--tp"],
     }
-    for title, flags in expected.items():
-        assert title in sections, sorted(sections)
-        for flag in flags:
-            assert flag in sections[title], (title, flag)
+    _assert_groups(sections, expected)
     # Each option is listed once, in its group only.
     assert "--loss " not in sections["options"] and "--quantize" not in sections["options"]
 
@@ -46,8 +50,5 @@ def test_plan_help_groups_its_options(capsys):
         "step-time model": ["--efficiency", "--inter-node-gbps"],
         "output": ["--all", "--plot", "--json"],
     }
-    for title, flags in expected.items():
-        assert title in sections, sorted(sections)
-        for flag in flags:
-            assert flag in sections[title], (title, flag)
+    _assert_groups(sections, expected)
     assert "--model" not in sections["options"] and "--margin" not in sections["options"]
