@@ -141,6 +141,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="target tokens per sequence of a seq2seq model (default: --seq-len)")
     g.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
     g.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
+    g.add_argument("--runner", default="torch", metavar="{torch,hf-trainer,lightning,plain-loop}",
+                   help="the training loop: torch (each step's outputs freed after backward; default), hf-trainer "
+                        "(adds accelerate's fp32 outputs and gradient clipping), lightning (zero_grad between "
+                        "forward and backward), plain-loop (a hand-written loop that keeps the last step's "
+                        "outputs and loss until the next forward returns: litgpt, peft's benchmark)")
     g = p.add_argument_group("activation checkpointing", "what the backward recomputes instead of keeping")
     g.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
     g.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
@@ -170,9 +175,21 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
                    help="bitsandbytes weights for the frozen base model (QLoRA; needs --lora-rank)")
     g.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
-    g.add_argument("--kbit-prepare", default="on", metavar="{on,off}",
+    g.add_argument("--kbit-prepare", default="on", metavar="{on,off,norms-only}",
                    help="with --quantize, whether peft's prepare_model_for_kbit_training runs: on (every 16-bit "
-                        "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit)")
+                        "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit), "
+                        "norms-only (only the norm weights to fp32)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the output head too (Lightning's BitsandbytesPrecision, as litgpt uses it; "
+                        "transformers with llm_int8_skip_modules=[]); needs an untied head")
+    g.add_argument("--quantized-from", default=None, metavar="{fp16,bf16,fp32}",
+                   help="dtype of the weights bitsandbytes quantized (QuantState.dtype, what each dequantization "
+                        "returns before the cast to the compute dtype; default: the compute dtype, as transformers' "
+                        "recipe loads in it; Lightning's BitsandbytesPrecision quantizes from fp16)")
+    g.add_argument("--bnb-version", default=None, metavar="X.Y.Z",
+                   help="bitsandbytes release the job runs (default: the installed one, else the newest read, "
+                        "0.50.2); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
+                        "before 0.50.0 every training matmul dequantizes its weight")
     g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
                                           "path assumed (docs/techniques/loss.md)")
     g.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked,cce}",
@@ -268,6 +285,7 @@ def _workload(args: argparse.Namespace):
         grad_checkpointing=args.grad_checkpointing,
         lora=lora,
         attn_implementation=args.attn,
+        runner=getattr(args, "runner", "torch"),
         **_technique_fields(args),
     )
 
@@ -278,6 +296,9 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "quantize": args.quantize,
         "double_quant": args.double_quant,
         "kbit_prepare": args.kbit_prepare,
+        "quantize_lm_head": args.quantize_lm_head,
+        "bnb_version": args.bnb_version,
+        "quantized_from": args.quantized_from,
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
         "loss_chunk_upcast": getattr(args, "loss_chunk_upcast", "on") == "on",

@@ -132,7 +132,7 @@ def place_weights(tracker, model: nn.Module, params: list[torch.Tensor], workloa
     bias_of = {id(m.bias) for m in quantized if m.bias is not None}
     load_dtype = quantized[0].quant_dtype
     upcast = [p for p in params if id(p) not in adapters and id(p) not in owner and id(p) not in bias_of
-              and p.dtype == torch.float32 and workload.kbit_prepare == "on" and load_dtype in _HALF]
+              and p.dtype == torch.float32 and workload.kbit_prepare != "off" and load_dtype in _HALF]
     loaded_as: dict[int, torch.Tensor] = {}
     for p in params:
         if id(p) in adapters:

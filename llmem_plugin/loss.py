@@ -72,7 +72,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from llmem_plugin._pause import untracked
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.workload import LossImpl, Workload
+from llmem_plugin.workload import LossImpl, Runner, Workload
 
 __all__ = ["IGNORE_INDEX", "LIGER_ARCHS", "forward_with_loss", "liger_chunk_size",
            "liger_fused_linear_cross_entropy", "logit_transform", "unsupported"]
@@ -152,7 +152,8 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     if workload.loss is LossImpl.NO_UPCAST:
         return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
     if workload.loss is LossImpl.CHUNKED:
-        head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm))
+        head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm),
+                             keep_logits=workload.runner is Runner.PLAIN_LOOP)
     elif workload.loss is LossImpl.CCE:
         head = _cce_head(causal_lm)
     else:
@@ -279,8 +280,13 @@ def logit_transform(causal_lm: PreTrainedModel):
                       f"{between[0]!r} on the logits before the loss. HINT: use --loss hf or --loss no-upcast")
 
 
-def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits):
-    def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits, keep_logits: bool = False):
+    """The chunked head; ``keep_logits``: the chunks are returned with the loss
+    (a model that returns its chunk logits to the loop: litgpt's
+    ``GPT.forward(lm_head_chunk_size=...)``), so a loop that keeps its outputs
+    keeps them."""
+
+    def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor):
         # TransformerDecoder.chunked_output: [output(c) for c in h.chunk(n, dim=1)];
         # every chunk's logits exist before the loss runs. The model's own
         # logit transform (softcapping, scaling) runs on each chunk.
@@ -300,6 +306,8 @@ def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits:
         for logits_chunk, labels_chunk in zip(logits, label_chunks):
             total_loss += nn.functional.cross_entropy(logits_chunk.float() if upcast else logits_chunk, labels_chunk,
                                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        if keep_logits:
+            return total_loss / total_elements, tuple(logits)
         return total_loss / total_elements
 
     return head
@@ -317,7 +325,9 @@ def _forward_replaced(causal_lm: PreTrainedModel, head) -> Iterator[None]:
         # output_attentions, ...); the base model takes them as the class forward does.
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         hidden = base(input_ids=input_ids, use_cache=use_cache, **kwargs)[0]
-        return CausalLMOutputWithPast(loss=head(causal_lm, hidden, labels))
+        result = head(causal_lm, hidden, labels)
+        loss, logits = result if isinstance(result, tuple) else (result, None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     previous = causal_lm.__dict__.get("forward")  # an instance-level forward someone else installed
     causal_lm.forward = forward

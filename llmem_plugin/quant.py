@@ -22,15 +22,32 @@ Sources (versions installed here):
 * ``[P]`` peft 0.21.2 ``utils/other.py`` ``prepare_model_for_kbit_training`` and
   ``tuners/lora/bnb.py`` (the LoRA layer peft puts on a ``Linear4bit``).
 
+Versions (``Workload.bnb_version``, read in the tagged sources of [B]):
+
+* before 0.43.2, ``MatMul4Bit.forward`` keeps its input in ``ctx.tensors = (A, B)``
+  (removed by PR #1270, commit 9e753741, "fix QLoRA mem bug: delete useless
+  buffered activation"). ``ctx`` is a Python attribute of the autograd node, not a
+  saved tensor, so backward does not release it: every 4-bit matmul's input lives
+  until the graph's root (the loss) is dropped;
+* before 0.50.0 there is no fused 4-bit GEMM for more than one row (PR #1949,
+  commit 5453368b): ``matmul_4bit`` runs ``MatMul4Bit`` (``dequantize_4bit`` then
+  ``F.linear``) for every training matmul, and ``gemv_4bit`` only for one row
+  without gradient.
+
 Known limitations:
 
 * 8-bit LLM.int8 (outlier columns depend on the data) is refused, not modelled.
 * Only the default uint8 quant storage (no FSDP/ZeRO-3 float storage).
+* Before 0.42.0 the quant state kept no per-layer 16-entry code, and before
+  0.46.0 double quantization shared one 256-entry map instead of a copy per
+  layer; both are kept per layer (a few hundred bytes per layer over, the safe
+  side). Loading's quantize transients follow 0.50.2.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -48,7 +65,66 @@ __all__ = [
     "stored_shapes",
     "unsupported",
     "uses_fused_kernel",
+    "BNB_NEWEST_READ",
+    "BNB_OLDEST_READ",
+    "resolve_bnb_version",
 ]
+
+# The bitsandbytes releases whose 4-bit training path was read ([B] tags 0.41.0 to
+# 0.50.1, and the installed 0.50.2): older ones are refused, newer ones are
+# modelled as the newest read, which the report says.
+BNB_OLDEST_READ = (0, 41, 0)
+BNB_NEWEST_READ = (0, 50, 2)
+# [B] PR #1270 (commit 9e753741, first tagged 0.43.2): MatMul4Bit stops keeping A.
+_BNB_DROPS_INPUT = (0, 43, 2)
+# [B] PR #1949 (commit 5453368b, first tagged 0.50.0): the fused 4-bit GEMM kernels.
+_BNB_FUSED_GEMM = (0, 50, 0)
+
+_BNB_VERSION = re.compile(r"(\d{1,3})\.(\d{1,3})(?:\.(\d{1,3}))?(?:[.+-]?[a-z0-9.+-]*)?", re.IGNORECASE)
+
+
+def _version_text(v: tuple[int, int, int]) -> str:
+    return ".".join(map(str, v))
+
+
+def resolve_bnb_version(text: str | None) -> str:
+    """The bitsandbytes version a QLoRA workload runs, as ``"X.Y.Z"``.
+
+    Args:
+        text: A version (``"0.42.0"``); None: the installed bitsandbytes
+            (read from its metadata, without importing it), else the newest read.
+
+    Raises:
+        ConfigError: Not a version, or older than the oldest read.
+    """
+    if text is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("bitsandbytes")
+        except PackageNotFoundError:
+            return _version_text(BNB_NEWEST_READ)
+    m = _BNB_VERSION.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(f"--bnb-version {text!r} is not a bitsandbytes version. HINT: e.g. --bnb-version 0.45.5")
+    v = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    if v < BNB_OLDEST_READ:
+        raise ConfigError(f"--bnb-version {text} is older than {_version_text(BNB_OLDEST_READ)}, the oldest "
+                          "bitsandbytes whose 4-bit path is modelled. HINT: pass a version from "
+                          f"{_version_text(BNB_OLDEST_READ)} on")
+    return _version_text(v)
+
+
+def bnb_tuple(text: str) -> tuple[int, int, int]:
+    """``"0.42.0"`` -> ``(0, 42, 0)`` (a version :func:`resolve_bnb_version` returned)."""
+    major, minor, patch = (int(x) for x in text.split("."))
+    return major, minor, patch
+
+
+def bnb_modelled_as(text: str) -> str | None:
+    """The version whose source stands in for ``text`` when it is newer than
+    the newest read (None when ``text`` was read)."""
+    return _version_text(BNB_NEWEST_READ) if bnb_tuple(text) > BNB_NEWEST_READ else None
 
 # [B] nn/modules.py Params4bit.__new__: ``blocksize = 64`` when None, and
 # transformers [T] creates Linear4bit without a blocksize.
@@ -81,14 +157,25 @@ class QuantSpec:
         quant_dtype: The dtype the weights had when quantized
             (``QuantState.dtype``, what ``dequantize_4bit`` returns). The
             QLoRA recipe loads the model in the compute dtype
-            (``torch_dtype == bnb_4bit_compute_dtype``), so it is the same.
+            (``torch_dtype == bnb_4bit_compute_dtype``), so it is the same by
+            default; Lightning's ``BitsandbytesPrecision`` quantizes from
+            fp16 (``_Linear4bit.quantize``: ``weight.to(device, dtype=torch.half)``),
+            so each dequantization is cast to the compute dtype.
+        holds_input: The matmul keeps its input until the graph is dropped
+            (bitsandbytes before 0.43.2).
+        fused_kernels: The CUDA ``gemm_4bit`` may run its fused kernel
+            (bitsandbytes 0.50.0 on).
     """
 
-    def __init__(self, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype) -> None:
+    def __init__(self, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
+                 bnb_version: str = _version_text(BNB_NEWEST_READ), quant_dtype: torch.dtype | None = None) -> None:
         self.quant_type = quant_type
         self.double_quant = double_quant
         self.compute_dtype = compute_dtype
-        self.quant_dtype = compute_dtype
+        self.quant_dtype = compute_dtype if quant_dtype is None else quant_dtype
+        v = bnb_tuple(bnb_version)
+        self.holds_input = v < _BNB_DROPS_INPUT
+        self.fused_kernels = v >= _BNB_FUSED_GEMM
 
 
 def quant_spec(workload: Workload) -> QuantSpec:
@@ -102,7 +189,9 @@ def quant_spec(workload: Workload) -> QuantSpec:
     assert workload.quantize in (Quantization.NF4, Quantization.FP4), workload.quantize
     p = workload.precision
     compute = p.autocast_dtype or (torch.bfloat16 if p is Precision.BF16 else torch.float32)
-    return QuantSpec(quant_type=workload.quantize.value, double_quant=workload.double_quant, compute_dtype=compute)
+    source = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[workload.quantized_from]
+    return QuantSpec(quant_type=workload.quantize.value, double_quant=workload.double_quant, compute_dtype=compute,
+                     bnb_version=workload.bnb_version, quant_dtype=source)
 
 
 _INT8_REASON = (
@@ -166,6 +255,8 @@ class Linear4bitStandIn(nn.Linear):
         self.double_quant = spec.double_quant
         self.compute_dtype = spec.compute_dtype
         self.quant_dtype = spec.quant_dtype
+        self.holds_input = spec.holds_input
+        self.fused_kernels = spec.fused_kernels
         self.blocksize = BLOCKSIZE
         shapes = stored_shapes(out_features, in_features, double_quant=spec.double_quant)
         weight_shape, weight_dtype = shapes.pop("weight")
@@ -222,8 +313,13 @@ class Linear4bitStandIn(nn.Linear):
                 f"quant_type={self.quant_type}, double_quant={self.double_quant}")
 
 
-def _keys_to_not_convert(model: nn.Module) -> list[str]:
-    """transformers' own ``modules_to_not_convert`` for ``model`` ([T])."""
+def _keys_to_not_convert(model: nn.Module, *, quantize_lm_head: bool = False) -> list[str]:
+    """transformers' own ``modules_to_not_convert`` for ``model`` ([T]).
+
+    With ``quantize_lm_head`` the default skips (tied weights, the last
+    module, the output embeddings) are dropped, as ``llm_int8_skip_modules=[]``
+    does in ``get_modules_to_not_convert``; ``_keep_in_fp32_modules`` stay.
+    """
     from transformers import PreTrainedModel
     from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -232,7 +328,19 @@ def _keys_to_not_convert(model: nn.Module) -> list[str]:
             f"--quantize needs a transformers model (bitsandbytes quantization is applied by "
             f"from_pretrained), not {type(model).__name__}. HINT: pass a catalog name or a config.json"
         )
-    keys = list(get_keys_to_not_convert(model))
+    if quantize_lm_head:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        if type(head) is not nn.Linear:
+            raise ConfigError(f"--quantize-lm-head: {type(model).__name__} has no nn.Linear output head to "
+                              "quantize. HINT: drop --quantize-lm-head")
+        if embed is not None and head.weight is getattr(embed, "weight", None):
+            raise ConfigError(f"--quantize-lm-head: {type(model).__name__}'s head shares its weight with the input "
+                              "embeddings (tie_word_embeddings), which stay 16-bit. HINT: set tie_word_embeddings "
+                              "false in the config (a recipe whose head is a separate matrix), or drop "
+                              "--quantize-lm-head")
+        keys = []
+    else:
+        keys = list(get_keys_to_not_convert(model))
     keys.extend(getattr(model, "_keep_in_fp32_modules", None) or [])
     return sorted(set(keys))
 
@@ -269,7 +377,7 @@ def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     spec = quant_spec(workload)
-    skip = _keys_to_not_convert(model)
+    skip = _keys_to_not_convert(model, quantize_lm_head=workload.quantize_lm_head)
     targets = [(name, m) for name, m in model.named_modules()
                if (type(m) is nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
     if not targets:
@@ -294,9 +402,16 @@ def _upcast_parameters(model: nn.Module, prepare: str) -> set[int]:
     """The parameters k-bit preparation casts to fp32 (by ``id``).
 
     ``on``: all of them, as ``prepare_model_for_kbit_training`` does ([P]);
-    ``off``: none (a recipe that skips it keeps the loaded dtype).
+    ``off``: none (a recipe that skips it keeps the loaded dtype);
+    ``norms-only``: the parameters of the normalization layers (modules whose
+    class name ends in ``Norm``: ``LlamaRMSNorm``, ``LayerNorm``, ...).
     """
-    return {id(p) for p in model.parameters()} if prepare == "on" else set()
+    if prepare == "on":
+        return {id(p) for p in model.parameters()}
+    if prepare == "norms-only":
+        return {id(p) for m in model.modules() if type(m).__name__.endswith("Norm")
+                for p in m.parameters(recurse=False)}
+    return set()
 
 
 def lora_custom_modules(model: nn.Module) -> dict[type[nn.Module], type[nn.Module]]:
@@ -486,11 +601,18 @@ def _fill(out: torch.Tensor, compute) -> None:
 class _MatMul4Bit(torch.autograd.Function):
     """bitsandbytes' ``MatMul4Bit`` ([B] autograd/_functions.py) with the CUDA
     kernels' allocations: nothing is saved for backward but the packed weight
-    (a parameter); the backward dequantizes again for the input gradient."""
+    (a parameter), and, before 0.43.2, the input in ``ctx`` (see the module
+    docstring); the backward dequantizes again for the input gradient."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
         ctx.layer = layer
+        if layer.holds_input and not isinstance(ctx, _NoCtx):
+            # [B] < 0.43.2: ``ctx.tensors = (A, B)`` when an input needs a gradient
+            # (the only case a graph node, and so this ctx, outlives the call).
+            ctx.held_input = a
+        if not layer.fused_kernels:
+            return _dequantize_then_linear(a, layer)
         n, k = layer.out_features, layer.in_features
         cc, sms = _target()
         shape = (*a.shape[:-1], n)
@@ -523,8 +645,8 @@ class _MatMul4Bit(torch.autograd.Function):
                   if layer.double_quant else None)
         w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=grad_output.device)
         del absmax
-        # quant_dtype == compute dtype (QuantSpec), so ``.to(grad_output.dtype)`` copies nothing.
-        assert w.dtype == grad_output.dtype, (w.dtype, grad_output.dtype)
+        if w.dtype != grad_output.dtype:  # ``.to(grad_output.dtype)`` copies; the dequantized one is released
+            w = torch.empty(w.shape, dtype=grad_output.dtype, device=grad_output.device)
         g = grad_output.contiguous()  # matmul folds a contiguous (.., N) grad into one mm
         grad_a = torch.empty((*g.shape[:-1], layer.in_features), dtype=g.dtype, device=g.device)
         _fill(grad_a, lambda: torch.matmul(g, _dequantized(layer).to(g.dtype)))
@@ -532,14 +654,43 @@ class _MatMul4Bit(torch.autograd.Function):
         return grad_a, None
 
 
+def _dequantize_then_linear(a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
+    """bitsandbytes before 0.50.0 ([B] 0.41.0-0.49.2 ``MatMul4Bit.forward``):
+    ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t(), bias)``.
+    ``dequantize_4bit`` dequantizes the nested absmax into one fp32 tensor
+    (``dequantize_blockwise``, then ``+= offset`` in place), freed when it
+    returns, and the weight into ``QuantState.dtype``; ``.to(A.dtype)`` copies
+    it when that is not the compute dtype (the dequantized one is released as
+    ``.to`` returns); the weight is freed once ``F.linear`` returns."""
+    absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=a.device)
+              if layer.double_quant else None)
+    w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=a.device)
+    del absmax
+    if w.dtype != a.dtype:  # ``.to(A.dtype)``: the copy, then the dequantized weight released
+        w = torch.empty(w.shape, dtype=a.dtype, device=a.device)
+    out = torch.empty((*a.shape[:-1], layer.out_features), dtype=a.dtype, device=a.device)
+    _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), layer.bias))
+    del w
+    return out
+
+
 def matmul_4bit(a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
     """``bitsandbytes.matmul_4bit(a, layer.weight, quant_state)`` with its CUDA allocations.
 
     Without a gradient to track ([B] matmul_4bit ``needs_grad``) the same
     ``gemm_4bit`` runs outside autograd; the allocations are the forward's.
+    Before 0.50.0 one row without gradient runs ``gemv_4bit`` (the nested
+    absmax dequantized, then the output); everything else ``MatMul4Bit``.
     """
     if torch.is_grad_enabled() and a.requires_grad:
         return _MatMul4Bit.apply(a, layer)
+    if not layer.fused_kernels and a.numel() == a.shape[-1] and a.shape[-1] % layer.blocksize == 0:
+        absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=a.device)
+                  if layer.double_quant else None)
+        out = torch.empty((*a.shape[:-1], layer.out_features), dtype=a.dtype, device=a.device)
+        _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), layer.bias))
+        del absmax
+        return out
     with torch.no_grad():
         return _MatMul4Bit.forward(_NoCtx(), a, layer)
 

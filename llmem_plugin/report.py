@@ -48,10 +48,30 @@ def checkpointing_policy(wl) -> str:
     return f"{which} op-level selective: {parse_save_ops(wl.checkpoint_save_ops).describe()}"
 
 
+def qlora_path(wl) -> str:
+    """How the traced job quantizes its base weights, in words (llmem_plugin.quant)."""
+    from llmem_plugin.quant import bnb_modelled_as, bnb_tuple
+
+    version = f"bitsandbytes {wl.bnb_version}"
+    newer = bnb_modelled_as(wl.bnb_version)
+    if newer:
+        version += f" (newer than the newest read: modelled as {newer})"
+    elif bnb_tuple(wl.bnb_version) < (0, 43, 2):
+        version += " (each 4-bit matmul keeps its input until the loss is freed)"
+    head = "the LM head quantized too" if wl.quantize_lm_head else "the LM head kept 16-bit"
+    if wl.quantized_from is not None:
+        head += f"; quantized from {wl.quantized_from} (each dequantized weight cast to the compute dtype)"
+    prep = {"on": "peft's k-bit preparation: every other parameter fp32",
+            "off": "no k-bit preparation: other parameters keep their dtype",
+            "norms-only": "norm weights fp32, other parameters keep their dtype"}[wl.kbit_prepare]
+    return f"{wl.quantize.value}{' + double quant' * wl.double_quant} base, {version}; {head}; {prep}"
+
+
 def load_path(wl) -> str:
     """How the traced job's weights reach the GPU, in words (llmem_plugin.loading)."""
     if wl.quantize is not None:
-        prep = ", then k-bit preparation casts the other weights to fp32" if wl.kbit_prepare == "on" else ""
+        prep = {"on": ", then k-bit preparation casts the other weights to fp32",
+                "norms-only": ", then the norm weights are cast to fp32"}.get(wl.kbit_prepare, "")
         return f"weights quantized on load by bitsandbytes, each arriving 16-bit first{prep}"
     if wl.load == "fp32-cast":
         return "weights materialised in fp32, then cast to their training dtype one by one"
@@ -139,6 +159,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                       f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
     console.print(f"loss path: {loss_path(est)}")
     console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
+    if wl.quantize is not None:
+        console.print(f"QLoRA: {qlora_path(wl)}")
     if est.setup_allocated_bytes is not None:
         console.print(f"setup ({load_path(wl)}): {gib(est.setup_allocated_bytes)} GiB allocated, "
                       f"{gib(est.setup_reserved_bytes)} GiB reserved before step 1; the peaks above include it")
@@ -401,3 +423,5 @@ def render_varlen(v, wl, gpu_name: str, console: Console) -> None:
     switches = f"; the allocations change structure at {', '.join(map(str, d.switches))} tokens" if d.switches else ""
     console.print(f"sizes derived per allocation from {d.traces} traced lengths{switches}")
     console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
+    if wl.quantize is not None:
+        console.print(f"QLoRA: {qlora_path(wl)}")

@@ -257,6 +257,10 @@ def trace_step(
     # plain and DDP steps (engines with their own step clip and cast themselves).
     hf = workload.runner is Runner.HF_TRAINER and hooks is None
     lightning = workload.runner is Runner.LIGHTNING and hooks is None
+    # A hand-written loop keeps the last micro-step's outputs (and the graph
+    # its loss roots) until the next forward's outputs replace them.
+    plain = workload.runner is Runner.PLAIN_LOOP
+    previous = None
     offload_ctx = _activation_offload(workload, tracker)
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
@@ -308,7 +312,9 @@ def trace_step(
                             with autocast_region(autocast_dtype):
                                 out = _forward(model, input_ids, labels, workload, extra)
                                 loss = out["loss"] / workload.grad_accum_steps
-                                del out
+                            if plain:
+                                previous = out  # `outputs = model(...)`: the last step's outputs go now
+                            del out
                         # What the forward leaves alive is what backward needs.
                         tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
                         if reference is not None:
@@ -318,6 +324,7 @@ def trace_step(
                             optimizer.zero_grad(set_to_none=True)
                         tracker.set_phase(Phase.BACKWARD)
                         loss.backward()
+                        tracker.backward_returned()
                     del loss, input_ids, labels, extra
                     if reference is not None:
                         del ref_out
@@ -335,5 +342,6 @@ def trace_step(
                     tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
                 if not lightning:
                     optimizer.zero_grad(set_to_none=True)
+            del previous
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

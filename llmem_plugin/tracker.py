@@ -204,6 +204,12 @@ class MemoryTracker(TorchDispatchMode):
             return self._backward_module
         return self._module_stack[-1] if self._module_stack else ""
 
+    def backward_returned(self) -> None:
+        """``backward()`` has returned: what follows (the graph released with
+        the loss) runs in no module's backward."""
+        self._backward_module = ""
+        self._module_stack.clear()
+
     def set_phase(self, phase: Phase) -> None:
         """Attribute the following events to ``phase``."""
         self.phase = phase

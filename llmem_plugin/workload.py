@@ -196,6 +196,13 @@ class Runner(str, Enum):
     ``convert_outputs_to_fp32``), and gradients are clipped to
     ``max_grad_norm`` (1.0 by default, ``TrainingArguments``) with
     ``torch.nn.utils.clip_grad_norm_`` before the optimizer step.
+    PLAIN_LOOP is the loop written out by hand, ``outputs = model(...)``,
+    ``loss = outputs.loss``, ``loss.backward()``, ``optimizer.step()``, with
+    no ``del``: the previous micro-step's outputs (its logits) and loss (the
+    root of its autograd graph, and everything the graph's nodes still hold)
+    stay referenced through the optimizer step and the next forward, and are
+    released when the next forward's outputs are assigned (litgpt
+    ``finetune/lora.py`` ``fit``; peft ``method_comparison/MetaMathQA/run.py``).
     """
 
     TORCH = "torch"
@@ -205,6 +212,7 @@ class Runner(str, Enum):
     # micro-batch of an accumulation window only), then backward, so the
     # previous step's gradients live through the next forward.
     LIGHTNING = "lightning"
+    PLAIN_LOOP = "plain-loop"
 
 
 # peft's LoraConfig field names -> LoraSpec's.
@@ -297,7 +305,9 @@ class LoraSpec:
 MAX_GRAD_ACCUM_STEPS = 2**63 - 1
 # What peft's prepare_model_for_kbit_training does to a QLoRA model's other
 # parameters, as recipes run it (llmem_plugin.quant._upcast_parameters).
-_KBIT_PREPARE = ("on", "off")
+_KBIT_PREPARE = ("on", "off", "norms-only")
+# The dtypes bitsandbytes' quantize_4bit takes (functional.py: fp16, bf16, fp32).
+_QUANTIZED_FROM = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,8 +330,21 @@ class Workload:
             (``bnb_4bit_use_double_quant``).
         kbit_prepare: With ``quantize``, what peft's
             ``prepare_model_for_kbit_training`` does to the other parameters:
-            ``on`` (it runs: every 16-bit parameter becomes fp32) or ``off``
-            (the recipe skips it).
+            ``on`` (it runs: every 16-bit parameter becomes fp32), ``off``
+            (the recipe skips it) or ``norms-only`` (only the normalization
+            layers' parameters become fp32).
+        quantize_lm_head: With ``quantize``, quantize the output head too
+            (Lightning's ``BitsandbytesPrecision`` converts every
+            ``nn.Linear``; transformers does with ``llm_int8_skip_modules=[]``).
+        quantized_from: With ``quantize``, the dtype the base weights had
+            when bitsandbytes quantized them (``QuantState.dtype``, what each
+            dequantization returns before the cast to the compute dtype):
+            ``fp16``, ``bf16`` or ``fp32``; None: the compute dtype
+            (transformers' QLoRA recipe loads in it). Lightning's
+            ``BitsandbytesPrecision`` quantizes from fp16.
+        bnb_version: With ``quantize``, the bitsandbytes release the job runs
+            (``"0.42.0"``); None: the installed one, else the newest read
+            (:func:`llmem_plugin.quant.resolve_bnb_version`).
         loss: See :class:`LossImpl`.
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
@@ -371,6 +394,9 @@ class Workload:
     quantize: Quantization | None = None
     double_quant: bool = False
     kbit_prepare: str = "on"
+    quantize_lm_head: bool = False
+    bnb_version: str | None = None
+    quantized_from: str | None = None
     loss: LossImpl = LossImpl.HF
     logits_to_keep: int = 0
     loss_chunks: int = 8
@@ -442,6 +468,29 @@ class Workload:
         if self.kbit_prepare != "on" and self.quantize is None:
             raise ConfigError(f"--kbit-prepare {self.kbit_prepare} applies to quantized base weights. "
                               "HINT: add --quantize nf4 (QLoRA), or drop --kbit-prepare")
+        if self.quantize is None:
+            for name, flag, unset in (("quantize_lm_head", "--quantize-lm-head", False),
+                                      ("bnb_version", "--bnb-version", None),
+                                      ("quantized_from", "--quantized-from", None)):
+                if getattr(self, name) != unset:
+                    raise ConfigError(f"{flag} applies to quantized base weights. HINT: add --quantize nf4 "
+                                      f"(QLoRA), or drop {flag}")
+        else:
+            from llmem_plugin.quant import resolve_bnb_version
+
+            object.__setattr__(self, "bnb_version", resolve_bnb_version(self.bnb_version))
+            if self.quantized_from is not None and self.quantized_from not in _QUANTIZED_FROM:
+                raise ConfigError(f"--quantized-from {self.quantized_from!r} is not a dtype bitsandbytes quantizes "
+                                  f"from; valid: {', '.join(_QUANTIZED_FROM)}. HINT: e.g. --quantized-from fp16")
+        if self.kbit_prepare == "norms-only" and self.precision.autocast_dtype is None \
+                and self.precision is not Precision.FP32 and not self.quantize_lm_head:
+            raise ConfigError(f"--kbit-prepare norms-only with {self.precision.value}: the fp32 norm weights make the "
+                              "hidden states fp32, and the 16-bit LM head refuses them (a dtype error in the real "
+                              "run too). HINT: use --precision bf16-mixed, add --quantize-lm-head, or pass "
+                              "--kbit-prepare on")
+        if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE):
+            raise ConfigError(f"--loss {self.loss.value} multiplies by lm_head.weight itself, which --quantize-lm-head "
+                              "packs into 4 bits. HINT: use --loss chunked or hf, or drop --quantize-lm-head")
         if self.double_quant and self.quantize not in (Quantization.NF4, Quantization.FP4):
             raise ConfigError("--double-quant applies to 4-bit weights only. HINT: pass --quantize nf4 or fp4")
         if self.offload_activations is not None:
@@ -480,6 +529,9 @@ class Workload:
             "quantize": None if self.quantize is None else self.quantize.value,
             "double_quant": self.double_quant,
             "kbit_prepare": self.kbit_prepare,
+            "quantize_lm_head": self.quantize_lm_head,
+            "bnb_version": self.bnb_version,
+            "quantized_from": self.quantized_from,
             "loss": self.loss.value,
             "logits_to_keep": self.logits_to_keep,
             "loss_chunks": self.loss_chunks,

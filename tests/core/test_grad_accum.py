@@ -58,6 +58,22 @@ def test_shortened_window_equals_every_micro_step_to_the_byte(monkeypatch, optio
     _same(short, _every_micro_step(monkeypatch, **kw))
 
 
+@pytest.mark.parametrize("options", [
+    {},
+    {"lora_rank": 4, "quantize": "nf4", "bnb_version": "0.42.0", "precision": "bf16", "kbit_prepare": "off"},
+], ids=["plain", "qlora-bnb-0.42"])
+def test_plain_loop_window_is_traced_micro_step_by_micro_step(options):
+    """The plain loop keeps each micro-step's outputs into the next: the
+    allocator places each new copy past the last in the first iteration and
+    does not return to a state it left, so no micro-step repeats another and
+    every one is traced (with bitsandbytes 0.42 the kept graph holds the
+    4-bit matmuls' inputs too)."""
+    kw = {"model": tiny_config("llama"), "seq_len": 32, "grad_accum_steps": ACCUM, "runner": "plain-loop", **options}
+    est = llmem_plugin.estimate(**kw)
+    assert any(n.startswith("gradient accumulation: the simulated allocator did not settle") and
+               f"so all {ACCUM} were traced" in n for n in est.notes), est.notes
+
+
 def test_capped_replay_verdict_is_the_same(monkeypatch):
     """Capacity just under the uncapped reserved peak: the verdict comes from
     the replay where the allocator frees its cache and retries."""

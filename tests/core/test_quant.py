@@ -306,3 +306,166 @@ def test_cli_estimates_an_8b_qlora_step(capsys, monkeypatch):
     rotary = round_allocation(4 * (h // cfg.num_attention_heads // 2))
     rest = 2 * round_allocation(4 * vocab * h) + round_allocation(4 * h) + 2 * rotary
     assert data["breakdown"]["parameters"] == layers * per_layer + rest
+
+
+# ----------------------------------------------------------------------------- bitsandbytes versions
+
+def _live_bytes(tracker: MemoryTracker) -> int:
+    return sum(e[2] if e[0] == 1 else -e[2] for e in tracker.result().events)
+
+
+@pytest.mark.parametrize(("version", "holds"), [("0.41.1", True), ("0.42.0", True), ("0.43.1", True),
+                                                ("0.43.2", False), ("0.50.2", False)])
+def test_old_matmul_keeps_its_input_until_the_loss_is_freed(version, holds):
+    """bitsandbytes before 0.43.2 (autograd/_functions.py at tag 0.42.0:
+    ``ctx.tensors = (A, B)``; PR #1270 dropped A): the compute-dtype copy of
+    the input outlives backward while the loss, the graph's root, lives."""
+    spec = quant.QuantSpec(quant_type="nf4", double_quant=False, compute_dtype=torch.bfloat16, bnb_version=version)
+    layer = quant.Linear4bitStandIn.from_linear(nn.Linear(128, 96, bias=False), spec)
+    m, k = 64, 128
+    x = torch.randn(1, m, k, requires_grad=True)  # fp32: the layer casts it to a new bf16 tensor
+    tracker = MemoryTracker()
+    with tracker:
+        loss = layer(x).sum()
+        after_forward = _live_bytes(tracker)
+        loss.backward()
+        after_backward = _live_bytes(tracker)
+        del loss
+        freed = _live_bytes(tracker)
+    copy = round_allocation(m * k * 2)
+    grad = round_allocation(m * k * 4)  # x.grad (fp32), created by backward and kept
+    scalar = round_allocation(4)  # the loss
+    # After the forward only the loss and (before 0.43.2) the copy are live; backward adds x.grad.
+    held = copy if holds else 0
+    assert (after_forward, after_backward, freed) == (scalar + held, scalar + held + grad, grad)
+
+
+def test_old_matmul_dequantizes_for_every_training_matmul():
+    """Before 0.50.0 there is no fused 4-bit GEMM: even 8 rows (which 0.50.2
+    runs fused on an H100) dequantize the weight (tag 0.42.0
+    ``MatMul4Bit.forward``: ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t(), bias)``;
+    ``dequantize_4bit``: one fp32 nested absmax, ``+= offset`` in place)."""
+    from llmem_plugin.emulation import sdpa
+
+    n, k, m = 96, 128, 8
+    blocks = n * k // 64
+    events = {}
+    for version in ("0.42.0", "0.50.2"):
+        spec = quant.QuantSpec(quant_type="nf4", double_quant=True, compute_dtype=torch.bfloat16,
+                               bnb_version=version)
+        layer = quant.Linear4bitStandIn.from_linear(nn.Linear(k, n, bias=False), spec)
+        x = torch.randn(1, m, k, dtype=torch.bfloat16, requires_grad=True)
+        with sdpa.patch_sdpa(compute_capability=(9, 0), num_sms=132):
+            events[version] = _allocations(lambda: layer(x))
+    old = [round_allocation(b) for b in (blocks * 4, n * k * 2, m * n * 2)]
+    assert events["0.42.0"] == old
+    assert events["0.50.2"] == [round_allocation(m * n * 2)]  # the fused kernel: its output only
+
+
+@pytest.mark.parametrize("version", ["0.42.0", "0.43.2"])
+def test_fake_trace_equals_real_cpu_run_for_older_bitsandbytes(version):
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16", quantize="nf4", kbit_prepare="off",
+                  lora=LoraSpec(rank=4), bnb_version=version)
+    fake, real = fake_and_real(tiny_config("llama"), wl)
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    assert [e[2] for e in fake.events] == [e[2] for e in real.events]
+
+
+def test_bnb_version_is_checked_and_resolved():
+    from importlib.metadata import version
+
+    lora = LoraSpec(rank=4)
+    assert Workload(quantize="nf4", lora=lora).bnb_version == version("bitsandbytes")
+    assert Workload(quantize="nf4", lora=lora, bnb_version="0.45").bnb_version == "0.45.0"
+    with pytest.raises(ConfigError, match="older than 0.41.0"):
+        Workload(quantize="nf4", lora=lora, bnb_version="0.39.1")
+    with pytest.raises(ConfigError, match="not a bitsandbytes version"):
+        Workload(quantize="nf4", lora=lora, bnb_version="latest")
+    with pytest.raises(ConfigError, match="add --quantize nf4"):
+        Workload(bnb_version="0.42.0")
+    assert quant.bnb_modelled_as("0.51.0") == "0.50.2" and quant.bnb_modelled_as("0.50.2") is None
+
+
+# ----------------------------------------------------------------------------- the head and the preparation
+
+def test_quantized_head_stores_the_closed_form_and_equals_a_real_cpu_run():
+    cfg = tiny_config("llama")
+    assert not cfg.tie_word_embeddings
+    lora = LoraSpec(rank=4)
+    base = dict(seq_len=64, micro_batch_size=2, precision="bf16", quantize="nf4", kbit_prepare="off", lora=lora)
+    wl = Workload(quantize_lm_head=True, **base)
+    fake, real = fake_and_real(cfg, wl)
+    assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    plain, _ = fake_and_real(cfg, Workload(**base))
+    v, h = cfg.vocab_size, cfg.hidden_size
+    param = MemoryCategory.PARAMETER
+    packed = sum(map(round_allocation, closed_form_tensors(v, h, False)))
+    assert plain.breakdown[param] - fake.breakdown[param] == round_allocation(2 * v * h) - packed
+
+
+def test_quantized_head_is_refused_where_it_cannot_be():
+    lora = LoraSpec(rank=4)
+    with pytest.raises(ConfigError, match="multiplies by lm_head.weight"):
+        Workload(quantize="nf4", lora=lora, quantize_lm_head=True, loss="liger")
+    from llmem_plugin.estimate import estimate
+
+    cfg = tiny_config("llama")
+    cfg.tie_word_embeddings = True
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        estimate(cfg, seq_len=32, batch_size=1, precision="bf16", quantize="nf4", lora=lora, quantize_lm_head=True)
+
+
+def test_norms_only_preparation_upcasts_the_norm_weights_alone():
+    """``norms-only``: every RMSNorm weight fp32 (2 per layer and the final
+    one), embeddings and head 16-bit: the closed form between ``off`` and it."""
+    from llmem_plugin.estimate import estimate
+
+    cfg = tiny_config("llama")
+    runs = {p: estimate(cfg, seq_len=64, batch_size=2, precision="bf16-mixed", quantize="nf4", kbit_prepare=p,
+                        lora=LoraSpec(rank=4)) for p in ("off", "norms-only")}
+    param = MemoryCategory.PARAMETER
+    h = cfg.hidden_size
+    norms = 2 * cfg.num_hidden_layers + 1
+    assert runs["norms-only"].breakdown[param] - runs["off"].breakdown[param] == \
+        norms * (round_allocation(4 * h) - round_allocation(2 * h))
+    for precision, head in (("bf16-mixed", False), ("bf16", True)):
+        wl = Workload(seq_len=64, micro_batch_size=2, precision=precision, quantize="nf4",
+                      kbit_prepare="norms-only", quantize_lm_head=head, lora=LoraSpec(rank=4))
+        fake, real = fake_and_real(cfg, wl)
+        assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
+    with pytest.raises(ConfigError, match="16-bit LM head refuses them"):
+        Workload(precision="bf16", quantize="nf4", kbit_prepare="norms-only", lora=LoraSpec(rank=4))
+
+
+@pytest.mark.parametrize("version", ["0.42.0", "0.50.2"])
+def test_weights_quantized_from_fp16_dequantize_then_cast(version):
+    """Lightning's ``BitsandbytesPrecision`` quantizes from fp16
+    (``_Linear4bit.quantize``: ``weight.to(device, dtype=torch.half)``), so
+    ``QuantState.dtype`` is fp16 and ``F.dequantize_4bit(B, state).to(dtype)``
+    (the backward in every version, the forward before 0.50.0) allocates the
+    fp16 weight, then its bf16 copy, then releases the fp16 one."""
+    n, k, m = 96, 128, 2048
+    spec = quant.QuantSpec(quant_type="nf4", double_quant=False, compute_dtype=torch.bfloat16,
+                           bnb_version=version, quant_dtype=torch.float16)
+    layer = quant.Linear4bitStandIn.from_linear(nn.Linear(k, n, bias=False), spec)
+    x = torch.randn(1, m, k, dtype=torch.bfloat16, requires_grad=True)
+    holder = {}
+
+    def step():
+        holder["out"] = layer(x)
+        holder["out"].sum().backward()
+
+    tracker = MemoryTracker()
+    with tracker:
+        step()
+    events = [(e[0], e[2]) for e in tracker.result().events]
+    w16, out, grad_a = (round_allocation(b) for b in (n * k * 2, m * n * 2, m * k * 2))
+    cast = [(1, w16), (1, w16), (-1, w16)]  # fp16 weight, bf16 copy, fp16 released
+    if version == "0.42.0":
+        assert events[:4] == [*cast, (1, out)]
+    else:  # 0.50.2 past 1536 rows: the fallback dequantizes straight into A's dtype
+        assert events[:2] == [(1, w16), (1, out)]
+    assert _subsequence([(1, w16), (1, w16), (-1, w16)], events[3:])  # the backward's
+    assert any(e == (1, grad_a) for e in events)
+    # Values: the same as quantizing from the compute dtype's own weight, within fp16 rounding.
+    torch.testing.assert_close(holder["out"].float(), (x @ quant._dequantized(layer).to(x.dtype).t()).float())
