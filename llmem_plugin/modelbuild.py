@@ -309,6 +309,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             raise ConfigError(f"task {workload.task!r} was given, but the module is a {type(source).__name__} "
                               f"({task.value}). HINT: drop the task, or pass the module the job trains")
         check_workload(task, workload)
+        _refuse_live_quantized(source)
         model = _structure_copy(source)
         if workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
@@ -472,6 +473,19 @@ def _runs_grouped_mm_experts(config) -> bool:
     model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     can_set = getattr(model_class, "_can_set_experts_implementation", None)
     return bool(can_set and can_set())
+
+
+def _refuse_live_quantized(module: nn.Module) -> None:
+    """A live model whose layers bitsandbytes already quantized (``Params4bit``
+    / ``Int8Params`` weights) cannot be copied as structure: its quant state
+    is not read here yet, so it is refused rather than estimated as something else."""
+    quantized = next((name for name, p in module.named_parameters()
+                      if type(p).__name__ in ("Params4bit", "Int8Params")), None)
+    if quantized is not None:
+        raise UnsupportedError(
+            f"the live model holds bitsandbytes-quantized weights ({quantized}), whose quant state a live "
+            "estimate does not read yet. HINT: estimate the recipe from its config: llmem estimate --model "
+            "<name or config.json> --quantize nf4 --lora-rank R [--double-quant] (docs/techniques/qlora.md)")
 
 
 def _structure_copy(module: nn.Module) -> nn.Module:

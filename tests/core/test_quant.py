@@ -469,3 +469,21 @@ def test_weights_quantized_from_fp16_dequantize_then_cast(version):
     assert any(e == (1, grad_a) for e in events)
     # Values: the same as quantizing from the compute dtype's own weight, within fp16 rounding.
     torch.testing.assert_close(holder["out"].float(), (x @ quant._dequantized(layer).to(x.dtype).t()).float())
+
+
+def test_a_live_model_already_quantized_is_refused_not_estimated_as_another():
+    """A live transformers model whose linear layers bitsandbytes quantized
+    (``Params4bit`` weights) is refused in one line naming the layer: its
+    quant state is not read, and a structure copy would estimate a 16-bit model."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from llmem_plugin.estimate import estimate
+
+    cfg = tiny_config("llama")
+    model = modelbuild.build_model(cfg, Workload(precision="bf16"), device="cpu")
+    linear = model.model.layers[0].mlp.down_proj
+    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=torch.bfloat16,
+                          quant_type="nf4")
+    q.weight = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4")._quantize("cpu")
+    model.model.layers[0].mlp.down_proj = q
+    with pytest.raises(UnsupportedError, match=r"bitsandbytes-quantized weights \(model\.layers\.0\.mlp\.down_proj"):
+        estimate(model, Workload(seq_len=16, precision="bf16"))
