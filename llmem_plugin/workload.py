@@ -453,7 +453,7 @@ class Workload:
         object.__setattr__(
             self, "attn_implementation", _choice(AttentionImpl, self.attn_implementation, "attention", "--attn")
         )
-        object.__setattr__(self, "runner", _choice(Runner, self.runner, "runner", "Workload(runner=...)"))
+        object.__setattr__(self, "runner", _choice(Runner, self.runner, "runner", "--runner"))
         object.__setattr__(self, "loss", _choice(LossImpl, self.loss, "loss", "--loss"))
         if self.quantize is not None:
             object.__setattr__(self, "quantize", _choice(Quantization, self.quantize, "quantization", "--quantize"))
