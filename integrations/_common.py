@@ -111,6 +111,8 @@ class LiveModel:
         config: Its transformers config, or None for a plain module.
         lora: LoRA settings when ``module`` is a peft LoRA model.
         param_dtype: Dtype of its floating-point parameters.
+        quant: The Workload fields its bitsandbytes 4-bit layers imply
+            (:func:`llmem_plugin.quant.live_quantization`), or None.
         name: A short description for reports and rows.
     """
 
@@ -119,6 +121,7 @@ class LiveModel:
     lora: LoraSpec | None
     param_dtype: torch.dtype
     name: str
+    quant: dict[str, Any] | None = None
 
     def config_dict(self) -> dict[str, Any] | None:
         return None if self.config is None else self.config.to_dict()
@@ -174,11 +177,19 @@ def live_model(model: nn.Module) -> LiveModel:
             lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
                             target_modules=targets or LoraSpec().target_modules)
         config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
-    floats = [p.dtype for p in hf.parameters() if p.is_floating_point()]
-    dtype = max(set(floats), key=floats.count) if floats else torch.float32
+    # The dtype most of the floating-point weights are in, by elements: fp32 LoRA adapters (peft's
+    # autocast_adapter_dtype) can outnumber a 16-bit base model's tensors, never its elements.
+    elements: dict[torch.dtype, int] = {}
+    for p in hf.parameters():
+        if p.is_floating_point():
+            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    dtype = max(elements, key=elements.get) if elements else torch.float32
     name = getattr(config, "name_or_path", "") or ""
     name = name or (f"{getattr(config, 'model_type', '')}" if config is not None else type(hf).__name__)
-    return LiveModel(module=hf, config=config, lora=lora, param_dtype=dtype, name=name or type(hf).__name__)
+    from llmem_plugin.quant import live_quantization
+
+    return LiveModel(module=hf, config=config, lora=lora, param_dtype=dtype, name=name or type(hf).__name__,
+                     quant=live_quantization(hf))
 
 
 def batch_dims(batch: Any) -> tuple[int, int] | None:
@@ -310,8 +321,8 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
 
     if not 0 <= margin < 1:
         raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. margin=0.05 keeps 5% free")
-    if live.lora is not None and workload.lora is not None:
-        workload = dataclasses.replace(workload, lora=None)
+    if live.lora is not None and workload.lora is not None and live.quant is None:
+        workload = dataclasses.replace(workload, lora=None)  # QLoRA keeps it: it validates the quantization
     capacity = gpu_memory if gpu_memory is not None else gpu.capacity_bytes
     target = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None) if gpu_memory else gpu
     limit = int(capacity * (1 - margin))

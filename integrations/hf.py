@@ -142,7 +142,8 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
-                    target_len=target_len, images=images)
+                    target_len=target_len, images=images,
+                    **({"lora": live.lora, **live.quant} if live.quant else {}))
 
 
 def _unpartitioned(live: _common.LiveModel, wl: Workload) -> tuple[_common.LiveModel, Workload]:

@@ -477,7 +477,7 @@ class _AutoStrategyMixin:
                             precision=_precision(trainer, live.param_dtype), optimizer=kind,
                             grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
                             attn_implementation=attn if attn in ("sdpa", "eager") else "auto",
-                            runner="lightning")
+                            runner="lightning", **({"lora": live.lora, **live.quant} if live.quant else {}))
         accelerator = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
         tensor_parallel = _overrides_configure_model(pl_module)
         methods = methods_for(accelerator, world_size=world, tensor_parallel=tensor_parallel,

@@ -310,8 +310,13 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                               f"({task.value}). HINT: drop the task, or pass the module the job trains")
         check_workload(task, workload)
         _refuse_live_quantized(source)
-        model = _structure_copy(source)
-        if workload.precision.param_dtype != torch.float32:
+        model = _structure_copy(source, workload)
+        from llmem_plugin.quant import Linear4bitStandIn, adopt_live_lora
+
+        live_quantized = any(isinstance(m, Linear4bitStandIn) for m in model.modules())
+        if live_quantized:  # its dtypes are what trains (k-bit preparation already ran)
+            adopt_live_lora(model)
+        elif workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
     else:
         from llmem_plugin.tasks import Task, auto_class, config_task
@@ -360,7 +365,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         vision = getattr(getattr(model, "model", model), "vision_model", None)
         assert vision is not None, "check_workload allows freeze_vision for vision-language models only"
         vision.requires_grad_(False)
-    if workload.quantize is not None:
+    if workload.quantize is not None and not any(type(m).__name__ == "Linear4bitStandIn" for m in model.modules()):
         from llmem_plugin.quant import quantize_model
 
         model = quantize_model(model, workload)
@@ -381,8 +386,8 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if workload.checkpoint_every > 1:
             _checkpoint_every(model, workload.checkpoint_every)
-    if workload.lora is not None:
-        model = _apply_lora(model, workload.lora)
+    if workload.lora is not None and not (isinstance(source, nn.Module) and hasattr(model, "peft_config")):
+        model = _apply_lora(model, workload.lora)  # a live peft model holds its adapters already
     return model
 
 
@@ -476,21 +481,24 @@ def _runs_grouped_mm_experts(config) -> bool:
 
 
 def _refuse_live_quantized(module: nn.Module) -> None:
-    """A live model whose layers bitsandbytes already quantized (``Params4bit``
-    / ``Int8Params`` weights) cannot be copied as structure: its quant state
-    is not read here yet, so it is refused rather than estimated as something else."""
-    quantized = next((name for name, p in module.named_parameters()
-                      if type(p).__name__ in ("Params4bit", "Int8Params")), None)
+    """A live model whose layers bitsandbytes quantized to 8 bits (``Int8Params``)
+    is refused: LLM.int8 is not modelled (:mod:`llmem_plugin.quant`)."""
+    quantized = next((name for name, p in module.named_parameters() if type(p).__name__ == "Int8Params"), None)
     if quantized is not None:
         raise UnsupportedError(
-            f"the live model holds bitsandbytes-quantized weights ({quantized}), whose quant state a live "
-            "estimate does not read yet. HINT: estimate the recipe from its config: llmem estimate --model "
-            "<name or config.json> --quantize nf4 --lora-rank R [--double-quant] (docs/techniques/qlora.md)")
+            f"the live model holds bitsandbytes 8-bit weights ({quantized}): LLM.int8's matmul splits out "
+            "outlier columns whose number depends on the data. HINT: load it in 4 bits (QLoRA, nf4)")
 
 
-def _structure_copy(module: nn.Module) -> nn.Module:
-    """Deep-copy ``module`` with every parameter and buffer replaced by a meta tensor."""
+def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.Module:
+    """Deep-copy ``module`` with every parameter and buffer replaced by a meta
+    tensor; bitsandbytes 4-bit layers become their stand-ins
+    (:func:`llmem_plugin.quant.live_standins`)."""
     memo: dict[int, Any] = {}
+    if workload is not None:
+        from llmem_plugin.quant import live_standins
+
+        memo.update(live_standins(module, workload))
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) in memo:
             continue

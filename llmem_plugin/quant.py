@@ -63,6 +63,9 @@ __all__ = [
     "quant_spec",
     "quantize_model",
     "stored_shapes",
+    "adopt_live_lora",
+    "live_quantization",
+    "live_standins",
     "unsupported",
     "uses_fused_kernel",
     "BNB_NEWEST_READ",
@@ -412,6 +415,99 @@ def _upcast_parameters(model: nn.Module, prepare: str) -> set[int]:
         return {id(p) for m in model.modules() if type(m).__name__.endswith("Norm")
                 for p in m.parameters(recurse=False)}
     return set()
+
+
+# ----------------------------------------------------------------------------- a live quantized model
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _is_live_4bit(m: nn.Module) -> bool:
+    """A bitsandbytes ``Linear4bit`` (or a subclass: Lightning's) with its weight
+    quantized: the module that owns the ``Params4bit`` (not a peft layer that reaches it)."""
+    weight = m._parameters.get("weight")
+    return type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None
+
+
+def live_quantization(model: nn.Module) -> dict | None:
+    """The :class:`~llmem_plugin.workload.Workload` fields a live model's
+    bitsandbytes 4-bit layers imply, read from their quant states, or None
+    when it has none.
+
+    ``quantize`` and ``double_quant`` from ``QuantState.quant_type`` and
+    ``nested``; ``quantized_from`` from ``QuantState.dtype`` where it is not
+    the layer's compute dtype; ``quantize_lm_head`` when the output head is
+    one of them; ``kbit_prepare`` from the other parameters' dtypes (all
+    fp32: ``on``; only the norms': ``norms-only``; else ``off``).
+    """
+    layers = [m for m in model.modules() if _is_live_4bit(m)]
+    if not layers:
+        return None
+    states = [m.weight.quant_state for m in layers]
+    kinds = {(qs.quant_type, bool(qs.nested), qs.dtype) for qs in states}
+    if len(kinds) > 1:
+        from llmem_plugin.errors import UnsupportedError
+
+        raise UnsupportedError(f"the live model's 4-bit layers mix quantizations {sorted(map(str, kinds))}; "
+                               "one per model is modelled. HINT: estimate the recipe from its config")
+    quant_type, nested, source = kinds.pop()
+    compute = layers[0].compute_dtype
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None and hasattr(model, "get_base_model"):
+        head = model.get_base_model().get_output_embeddings()
+    head = getattr(head, "base_layer", head)  # peft wraps a targeted head
+    packed = {id(m.weight) for m in layers}
+    lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    others = [(mod, p) for mod in model.modules() for p in mod.parameters(recurse=False)
+              if p.is_floating_point() and id(p) not in packed and id(p) not in lora]
+    fp32 = [(mod, p) for mod, p in others if p.dtype == torch.float32]
+    if others and len(fp32) == len(others) and source != torch.float32:
+        prepare = "on"
+    elif fp32 and all(type(mod).__name__.endswith("Norm") for mod, _ in fp32):
+        prepare = "norms-only"
+    else:
+        prepare = "off"
+    return {"quantize": quant_type, "double_quant": nested, "quantize_lm_head": head is not None and _is_live_4bit(head),
+            "quantized_from": None if compute is None or source == compute else _DTYPE_NAMES.get(source),
+            "kbit_prepare": prepare}
+
+
+def live_standins(model: nn.Module, workload: Workload) -> dict[int, nn.Module]:
+    """``id(layer) -> stand-in on the meta device`` for every bitsandbytes
+    4-bit layer of a live model (a ``copy.deepcopy`` memo): the stand-in
+    stores what the layer's quant state stores, in its compute dtype (the
+    workload's where bitsandbytes has not set one yet, as ``Linear4bit``
+    sets it from the first input), for the workload's bitsandbytes release."""
+    standins = {}
+    for m in model.modules():
+        if not _is_live_4bit(m):
+            continue
+        qs = m.weight.quant_state
+        out_features, in_features = qs.shape
+        compute = m.compute_dtype
+        if compute is None:
+            compute = workload.precision.autocast_dtype or (
+                torch.float32 if workload.precision is Precision.FP32 else torch.bfloat16)
+        spec = QuantSpec(quant_type=qs.quant_type, double_quant=bool(qs.nested), compute_dtype=compute,
+                         bnb_version=workload.bnb_version or resolve_bnb_version(None), quant_dtype=qs.dtype)
+        new = Linear4bitStandIn(in_features, out_features, bias=m.bias is not None, spec=spec, device="meta")
+        if m.bias is not None:
+            new.bias = nn.Parameter(torch.empty(m.bias.shape, dtype=m.bias.dtype, device="meta"),
+                                    requires_grad=m.bias.requires_grad)
+        standins[id(m)] = new
+    return standins
+
+
+def adopt_live_lora(model: nn.Module) -> None:
+    """Give the peft LoRA layers of a live 4-bit model (peft's
+    ``tuners/lora/bnb.py`` ``Linear4bit``, whose base is now a stand-in) the
+    stand-ins' LoRA forward, which asks the input's device for autocast as
+    the trace runs it (peft asks CUDA's)."""
+    import types
+
+    for m in model.modules():
+        if isinstance(getattr(m, "base_layer", None), Linear4bitStandIn) and hasattr(m, "lora_A"):
+            m.forward = types.MethodType(_lora_forward, m)
 
 
 def lora_custom_modules(model: nn.Module) -> dict[type[nn.Module], type[nn.Module]]:

@@ -471,19 +471,60 @@ def test_weights_quantized_from_fp16_dequantize_then_cast(version):
     torch.testing.assert_close(holder["out"].float(), (x @ quant._dequantized(layer).to(x.dtype).t()).float())
 
 
-def test_a_live_model_already_quantized_is_refused_not_estimated_as_another():
-    """A live transformers model whose linear layers bitsandbytes quantized
-    (``Params4bit`` weights) is refused in one line naming the layer: its
-    quant state is not read, and a structure copy would estimate a 16-bit model."""
+def _live_qlora(prepare: bool, double_quant: bool = False):
+    """A tiny Llama as transformers + peft make a QLoRA model: every linear but
+    the head replaced by a real bitsandbytes ``Linear4bit`` quantized on the
+    CPU, optionally peft's k-bit preparation, then peft LoRA on q and v."""
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    cfg = tiny_config("llama")
+    model = modelbuild.build_model(cfg, Workload(precision="bf16"), device="cpu")
+    for name, m in list(model.named_modules()):
+        if type(m) is nn.Linear and name != "lm_head":
+            q = bnb.nn.Linear4bit(m.in_features, m.out_features, bias=False, compute_dtype=torch.bfloat16,
+                                  compress_statistics=double_quant, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(m.weight.data.clone(), requires_grad=False, compress_statistics=double_quant,
+                                         quant_type="nf4")._quantize("cpu")
+            model.set_submodule(name, q)
+    model.is_loaded_in_4bit = True
+    if prepare:
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return cfg, peft.get_peft_model(model, lora)
+
+
+@pytest.mark.parametrize(("prepare", "double_quant"), [(False, False), (True, True)])
+def test_a_live_qlora_model_is_estimated_as_its_recipe(prepare, double_quant):
+    """The live model's quant states give the recipe (nf4, double quant, k-bit
+    preparation), and its estimate equals the estimate of that recipe built
+    from the config, event for event (the config path is the one checked
+    against CUDA runs): the stand-ins hold what the quant states hold."""
+    from integrations._common import live_model
+
+    from llmem_plugin.estimate import estimate
+
+    cfg, model = _live_qlora(prepare, double_quant)
+    live = live_model(model)
+    assert live.quant == {"quantize": "nf4", "double_quant": double_quant, "quantize_lm_head": False,
+                          "quantized_from": None, "kbit_prepare": "on" if prepare else "off"}
+    precision = "bf16-mixed" if prepare else "bf16"  # prepared: fp32 non-quantized weights under autocast
+    wl = Workload(seq_len=32, micro_batch_size=2, precision=precision, lora=live.lora, **live.quant)
+    from_live = estimate(model, wl)
+    from_config = estimate(cfg, wl)
+    assert from_live.peak_allocated_bytes == from_config.peak_allocated_bytes
+    assert from_live.peak_reserved_bytes == from_config.peak_reserved_bytes
+    assert from_live.breakdown == from_config.breakdown
+
+
+def test_a_live_8bit_model_is_refused_not_estimated_as_another():
+    """LLM.int8 weights (``Int8Params``) in a live model are refused in one line naming the layer."""
     bnb = pytest.importorskip("bitsandbytes")
     from llmem_plugin.estimate import estimate
 
     cfg = tiny_config("llama")
     model = modelbuild.build_model(cfg, Workload(precision="bf16"), device="cpu")
     linear = model.model.layers[0].mlp.down_proj
-    q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=torch.bfloat16,
-                          quant_type="nf4")
-    q.weight = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4")._quantize("cpu")
-    model.model.layers[0].mlp.down_proj = q
-    with pytest.raises(UnsupportedError, match=r"bitsandbytes-quantized weights \(model\.layers\.0\.mlp\.down_proj"):
+    model.model.layers[0].mlp.down_proj = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=False,
+                                                              has_fp16_weights=False)
+    with pytest.raises(UnsupportedError, match=r"8-bit weights \(model\.layers\.0\.mlp\.down_proj"):
         estimate(model, Workload(seq_len=16, precision="bf16"))

@@ -351,3 +351,21 @@ def test_an_unreadable_checkpoint_policy_warns_and_trains(tmp_path):
     with pytest.warns(UserWarning, match="cannot read"):
         trainer.train()
     assert trainer.state.global_step == 1 and cb.check is None
+
+
+def test_a_live_qlora_model_is_checked_as_its_quantization(tmp_path):
+    """A peft model on bitsandbytes 4-bit layers (quantized for real on the
+    CPU): the callback reads nf4, double quantization and the skipped k-bit
+    preparation from the quant states and checks the job before it trains."""
+    pytest.importorskip("bitsandbytes")
+    from ..core.test_quant import _live_qlora
+
+    _, model = _live_qlora(prepare=False, double_quant=True)
+    cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=0)
+    trainer = _trainer(tmp_path, model, cb, steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "not checked" warning
+        trainer.train()
+    wl = cb.check.prediction.workload
+    assert (wl["quantize"], wl["double_quant"], wl["kbit_prepare"], wl["precision"]) == ("nf4", True, "off", "bf16")
+    assert cb.check.fits and trainer.state.global_step == 1
