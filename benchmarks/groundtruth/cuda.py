@@ -177,6 +177,9 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
 
         lengths = step_lengths(parse_lengths(case.seq_lens), micro_batch_size=wl.micro_batch_size,
                                grad_accum_steps=wl.grad_accum_steps, max_len=wl.seq_len, steps=steps)
+    # A hand-written loop keeps the last micro-step's outputs until the next forward's replace them.
+    plain = wl.runner.value == "plain-loop"
+    previous = None
     rec.reset()
     for step in range(1, steps + 1):
         rec.step_in_progress = step
@@ -192,13 +195,17 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
                     ref_logps = reference(input_ids)
             with offload():
                 # As HF Trainer's compute_loss: forward and loss under autocast, backward outside.
+                held = [] if plain else None
                 with _autocast(dtype, device):
-                    loss = techniques.forward_loss(model, input_ids, labels, wl, extra) / wl.grad_accum_steps
+                    loss = techniques.forward_loss(model, input_ids, labels, wl, extra, hold=held) / wl.grad_accum_steps
+                if plain:
+                    previous = held  # noqa: F841 - alive until the next micro-step's outputs replace it
                 loss.backward()
             del loss, input_ids, labels, ref_logps, extra
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         rec.record(step)
+    del previous
 
 
 def _trainer_args(case: Case, steps: int, output_dir: str, *, device: str = "cuda") -> dict:

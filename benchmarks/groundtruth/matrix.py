@@ -109,15 +109,18 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
 def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, optimizer: str = "adamw",
           gc: bool = False, lora: LoraSpec | None = None, attn: str = "sdpa", runner: str = "torch",
           expect: str | None = None, note: str = "", overrides: dict[str, Any] | None = None,
-          prefix: str = "", seq_lens: str | None = None, **technique: Any) -> Case:
-    """A case; ``technique`` holds Workload fields of the low-memory techniques.
+          prefix: str = "", seq_lens: str | None = None, loop: str | None = None, **technique: Any) -> Case:
+    """A case; ``technique`` holds Workload fields of the low-memory techniques;
+    ``loop="plain-loop"`` is ``Workload.runner`` (the harness's torch loop then
+    keeps each micro-step's outputs into the next).
 
     Their id parts come last, and only when set, so the ids of cases without
     them stay as they were.
     """
     parts = [prefix + model, precision, f"s{seq}", f"b{batch}"]
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
-                  optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn, **technique)
+                  optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn,
+                  **({"runner": loop} if loop else {}), **technique)
     parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + _checkpoint_parts(wl) + ["lora"] * (lora is not None)
     parts += [attn] + [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
@@ -147,6 +150,7 @@ def _technique_parts(wl: Workload) -> list[str]:
     if wl.offload_activations is not None:
         parts.append("offload-" + wl.offload_activations.value)
     parts += ["ref"] * wl.reference_model
+    parts += ["plainloop"] * (wl.runner.value == "plain-loop")
     return parts
 
 
@@ -350,6 +354,14 @@ STUB_CASES: list[Case] = [
           prefix="tiny4-", seq_lens="16:512:120"),
     _case("qwen2.5-0.5b", "bf16", 384, 2, accum=2, optimizer="adamw-fused", lora=LoraSpec(rank=4),
           overrides=_TINY4, prefix="tiny4-", seq_lens="200:384"),
+    # The plain loop (Workload.runner "plain-loop"): each micro-step's outputs live into the next forward;
+    # the model's own loss, and litgpt's chunked head whose chunk logits the loop keeps.
+    _case("llama-3.2-1b", "bf16-mixed", 256, 4, accum=2, overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-",
+          loop="plain-loop"),
+    _case("llama-3.2-1b", "bf16", 256, 4, accum=2, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", loop="plain-loop", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
+    _case("llama-3.2-1b", "bf16", 256, 4, accum=2, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
 ]
 
 

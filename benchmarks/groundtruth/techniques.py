@@ -219,7 +219,7 @@ def _causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True):
+def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True, hold: list | None = None):
     """torchtune's chunked-output cross-entropy on ``model``'s last hidden states.
 
     torchtune 0.6.1: ``TransformerDecoder.chunked_output`` runs the output
@@ -229,7 +229,9 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True)
     ``cross_entropy(reduction="sum")`` and divides by the number of labelled
     tokens. Labels are shifted left with an ignored last position, as
     torchtune's recipes do before the loss. ``upcast=False`` keeps each
-    chunk in the compute dtype.
+    chunk in the compute dtype. ``hold``: a list the chunk logits are put in,
+    for a loop that keeps what the model returned (litgpt's
+    ``lm_head_chunk_size`` forward returns them).
 
     Returns:
         The scalar loss.
@@ -246,6 +248,8 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True)
     hidden = lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
     head = lm.get_output_embeddings()
     chunks = [head(h) for h in hidden.chunk(num_chunks, dim=1)]
+    if hold is not None:
+        hold.extend(chunks)
     del hidden
     shifted = F.pad(labels[:, 1:], (0, 1), value=_IGNORE)
     total = torch.zeros((), device=input_ids.device)
@@ -256,7 +260,7 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True)
     return total / (shifted != _IGNORE).sum()
 
 
-def no_upcast_loss(model, input_ids, labels, keep: int = 0):
+def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = None):
     """Cross-entropy on the model's logits in their own dtype (no ``.float()``).
 
     The model's forward without labels (``logits_to_keep=keep`` when
@@ -271,16 +275,21 @@ def no_upcast_loss(model, input_ids, labels, keep: int = 0):
     import torch.nn.functional as F
 
     kwargs = {"logits_to_keep": keep} if keep else {}
-    logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+    out = model(input_ids=input_ids, use_cache=False, **kwargs)
+    if hold is not None:
+        hold.append(out)
+    logits = out.logits
     if keep:
         labels = labels[:, -keep:]
     shifted = F.pad(labels, (0, 1), value=_IGNORE)[..., 1:]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shifted.reshape(-1), ignore_index=_IGNORE)
 
 
-def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None):
+def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None, hold: list | None = None):
     """The forward with the workload's loss (call it inside the workload's autocast).
     ``extra``: the task's other inputs (a vision-language model's images).
+    ``hold``: a list that gets what the model returned (its output, or the
+    chunk logits), for a loop that keeps it (``runner="plain-loop"``).
 
     ``loss="hf"`` and ``"liger"`` are the model's own forward with labels (liger
     patched the forward in :func:`build_model`). ``logits_to_keep=k`` passes
@@ -294,13 +303,18 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
     if wl.loss is LossImpl.CHUNKED:
         if wl.logits_to_keep:
             raise ValueError("loss chunked with logits_to_keep is not a ground-truth path")
-        return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast)
+        return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast, hold)
     if wl.loss is LossImpl.NO_UPCAST:
-        return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep)
+        return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep, hold)
+    if hold is not None and (wl.loss is not LossImpl.HF or wl.logits_to_keep):
+        raise ValueError(f"a plain loop with loss {wl.loss.value} (or logits_to_keep) is not a ground-truth path")
     if wl.loss is LossImpl.CCE:
         return cce_loss(model, input_ids, labels)
     if not wl.logits_to_keep:
-        return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {})).loss
+        out = model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
+        if hold is not None:
+            hold.append(out)
+        return out.loss
     if wl.loss is LossImpl.LIGER:
         raise ValueError("loss liger with logits_to_keep is not a ground-truth path")
     k = wl.logits_to_keep
