@@ -292,6 +292,11 @@ def _workload(args: argparse.Namespace):
 
 def _technique_fields(args: argparse.Namespace) -> dict:
     """The low-memory technique settings (``_add_step_args``) as Workload fields."""
+    if args.bnb_version is not None and args.quantize is None:
+        from llmem_plugin.errors import ConfigError
+
+        raise ConfigError("--bnb-version applies to quantized base weights. HINT: add --quantize nf4 (QLoRA), "
+                          "or drop --bnb-version")
     return {
         "quantize": args.quantize,
         "double_quant": args.double_quant,

@@ -470,11 +470,13 @@ class Workload:
                               "HINT: add --quantize nf4 (QLoRA), or drop --kbit-prepare")
         if self.quantize is None:
             for name, flag, unset in (("quantize_lm_head", "--quantize-lm-head", False),
-                                      ("bnb_version", "--bnb-version", None),
                                       ("quantized_from", "--quantized-from", None)):
                 if getattr(self, name) != unset:
                     raise ConfigError(f"{flag} applies to quantized base weights. HINT: add --quantize nf4 "
                                       f"(QLoRA), or drop {flag}")
+            # The release only matters with 4-bit weights (it is filled in when they are set, so a copy
+            # of a QLoRA workload without them drops it); the CLI refuses --bnb-version alone.
+            object.__setattr__(self, "bnb_version", None)
         else:
             from llmem_plugin.quant import resolve_bnb_version
 

@@ -381,8 +381,13 @@ def test_bnb_version_is_checked_and_resolved():
         Workload(quantize="nf4", lora=lora, bnb_version="0.39.1")
     with pytest.raises(ConfigError, match="not a bitsandbytes version"):
         Workload(quantize="nf4", lora=lora, bnb_version="latest")
-    with pytest.raises(ConfigError, match="add --quantize nf4"):
-        Workload(bnb_version="0.42.0")
+    assert Workload(bnb_version="0.42.0").bnb_version is None  # no 4-bit weights: no release to model
+    import dataclasses
+
+    assert dataclasses.replace(Workload(quantize="nf4", lora=lora), quantize=None, lora=None).bnb_version is None
+    from llmem_plugin.cli import main
+
+    assert main(["estimate", "--model", "llama-3.2-1b", "--bnb-version", "0.42.0"]) == 2
     assert quant.bnb_modelled_as("0.51.0") == "0.50.2" and quant.bnb_modelled_as("0.50.2") is None
 
 
