@@ -187,8 +187,8 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "returns before the cast to the compute dtype; default: the compute dtype, as transformers' "
                         "recipe loads in it; Lightning's BitsandbytesPrecision quantizes from fp16)")
     g.add_argument("--bnb-version", default=None, metavar="X.Y.Z",
-                   help="bitsandbytes release the job runs (default: the installed one, else the newest read, "
-                        "0.50.2); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
+                   help="bitsandbytes release the job runs (default: 0.50.2, the newest read; the report names "
+                        "it); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
                         "before 0.50.0 every training matmul dequantizes its weight")
     g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
                                           "path assumed (docs/techniques/loss.md)")

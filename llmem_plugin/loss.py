@@ -324,8 +324,10 @@ def _forward_replaced(causal_lm: PreTrainedModel, head) -> Iterator[None]:
         # Wrappers pass their own keywords (peft: attention_mask, inputs_embeds,
         # output_attentions, ...); the base model takes them as the class forward does.
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        hidden = base(input_ids=input_ids, use_cache=use_cache, **kwargs)[0]
-        result = head(causal_lm, hidden, labels)
+        # The last hidden state goes straight to the head, which owns the only reference: the chunked head
+        # releases it once its projections ran, as a model whose forward returns the chunk logits does
+        # (torchtune's, litgpt's) before the loss runs.
+        result = head(causal_lm, base(input_ids=input_ids, use_cache=use_cache, **kwargs)[0], labels)
         loss, logits = result if isinstance(result, tuple) else (result, None)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 

@@ -315,6 +315,11 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
 
         live_quantized = any(isinstance(m, Linear4bitStandIn) for m in model.modules())
         if live_quantized:  # its dtypes are what trains (k-bit preparation already ran)
+            if workload.quantize is None:
+                raise ConfigError(
+                    f"the live {type(source).__name__} holds bitsandbytes 4-bit layers, but the workload sets no "
+                    "quantization, so the methods and the loading that depend on it would not be checked. HINT: "
+                    "pass Workload(**llmem_plugin.quant.live_quantization(model), lora=...) (the adapters do)")
             adopt_live_lora(model)
         elif workload.precision.param_dtype != torch.float32:
             model.to(workload.precision.param_dtype)
@@ -488,6 +493,13 @@ def _refuse_live_quantized(module: nn.Module) -> None:
         raise UnsupportedError(
             f"the live model holds bitsandbytes 8-bit weights ({quantized}): LLM.int8's matmul splits out "
             "outlier columns whose number depends on the data. HINT: load it in 4 bits (QLoRA, nf4)")
+    pending = next((name for name, p in module.named_parameters()
+                    if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is None), None)
+    if pending is not None:
+        raise UnsupportedError(
+            f"the live model's 4-bit weight {pending} is not quantized yet (bitsandbytes quantizes it when the "
+            "model moves to the GPU), so its quant state cannot be read. HINT: check after model.cuda(), or "
+            "estimate the recipe from its config with --quantize")
 
 
 def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.Module:

@@ -66,6 +66,7 @@ __all__ = [
     "adopt_live_lora",
     "live_quantization",
     "live_standins",
+    "installed_bnb_version",
     "unsupported",
     "uses_fused_kernel",
     "BNB_NEWEST_READ",
@@ -90,23 +91,32 @@ def _version_text(v: tuple[int, int, int]) -> str:
     return ".".join(map(str, v))
 
 
+def installed_bnb_version() -> str | None:
+    """The installed bitsandbytes release, read from its metadata without
+    importing it (None when it is not installed): what a job in this
+    environment runs, for the adapters."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bitsandbytes")
+    except PackageNotFoundError:
+        return None
+
+
 def resolve_bnb_version(text: str | None) -> str:
     """The bitsandbytes version a QLoRA workload runs, as ``"X.Y.Z"``.
 
     Args:
-        text: A version (``"0.42.0"``); None: the installed bitsandbytes
-            (read from its metadata, without importing it), else the newest read.
+        text: A version (``"0.42.0"``); None: the newest read. The default
+            does not follow the installed release, so an estimate (and a
+            re-validation of a recorded row) is the same on every machine;
+            the adapters pass :func:`installed_bnb_version` for the job they run in.
 
     Raises:
         ConfigError: Not a version, or older than the oldest read.
     """
     if text is None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            text = version("bitsandbytes")
-        except PackageNotFoundError:
-            return _version_text(BNB_NEWEST_READ)
+        return _version_text(BNB_NEWEST_READ)
     m = _BNB_VERSION.fullmatch(text.strip()) if isinstance(text, str) else None
     if m is None:
         raise ConfigError(f"--bnb-version {text!r} is not a bitsandbytes version. HINT: e.g. --bnb-version 0.45.5")
@@ -438,7 +448,8 @@ def live_quantization(model: nn.Module) -> dict | None:
     ``nested``; ``quantized_from`` from ``QuantState.dtype`` where it is not
     the layer's compute dtype; ``quantize_lm_head`` when the output head is
     one of them; ``kbit_prepare`` from the other parameters' dtypes (all
-    fp32: ``on``; only the norms': ``norms-only``; else ``off``).
+    fp32: ``on``; only the norms': ``norms-only``; else ``off``); and
+    ``bnb_version``, the installed release (the live model runs it).
     """
     layers = [m for m in model.modules() if _is_live_4bit(m)]
     if not layers:
@@ -454,7 +465,7 @@ def live_quantization(model: nn.Module) -> dict | None:
     compute = layers[0].compute_dtype
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None and hasattr(model, "get_base_model"):
-        head = model.get_base_model().get_output_embeddings()
+        head = getattr(model.get_base_model(), "get_output_embeddings", lambda: None)()
     head = getattr(head, "base_layer", head)  # peft wraps a targeted head
     packed = {id(m.weight) for m in layers}
     lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
@@ -469,7 +480,7 @@ def live_quantization(model: nn.Module) -> dict | None:
         prepare = "off"
     return {"quantize": quant_type, "double_quant": nested, "quantize_lm_head": head is not None and _is_live_4bit(head),
             "quantized_from": None if compute is None or source == compute else _DTYPE_NAMES.get(source),
-            "kbit_prepare": prepare}
+            "kbit_prepare": prepare, "bnb_version": installed_bnb_version()}
 
 
 def live_standins(model: nn.Module, workload: Workload) -> dict[int, nn.Module]:

@@ -342,6 +342,7 @@ def trace_step(
                     tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
                 if not lightning:
                     optimizer.zero_grad(set_to_none=True)
-            del previous
+            tracker.set_phase(Phase.SETUP)
+            del previous  # the last outputs, released outside any phase's layers
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

@@ -36,6 +36,9 @@ __all__ = ["MemoryCategory", "Phase", "MemoryTracker", "TraceResult", "round_all
 _CUDA_MIN_BLOCK_BYTES = 512
 
 
+# The matrix products whose CUDA (and CPU) kernels take operands of one dtype only.
+_SAME_DTYPE_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                                 torch.ops.aten.baddbmm.default})
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _PRIM_DEVICE = torch.ops.prim.device.default
 _PLACEHOLDER_SCALAR = {True: 1.0, False: 1}
@@ -271,6 +274,13 @@ class MemoryTracker(TorchDispatchMode):
             # FakeTensorMode's dispatch, a third of the trace time on 8B.
             t = args[0]
             return t.fake_device if is_fake(t) else func(*args)
+        if func in _SAME_DTYPE_MATMULS and is_fake(args[0]):
+            # Fake kernels do not check what the real ones refuse: a matrix product of two dtypes (a
+            # 16-bit layer fed fp32 hidden states) fails in the real run, so it fails the trace too.
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            if len(dtypes) > 1:
+                raise RuntimeError(f"{func}: expected the operands to have the same dtype, got "
+                                   f"{sorted(str(d) for d in dtypes)} (a real run fails the same way)")
         if func is _LOCAL_SCALAR_DENSE and is_fake(args[0]):
             # `.item()` on a fake tensor has no value to read. Optimizers read
             # step counters and norms this way (torch/optim/_adafactor.py) to

@@ -343,8 +343,8 @@ class Workload:
             (transformers' QLoRA recipe loads in it). Lightning's
             ``BitsandbytesPrecision`` quantizes from fp16.
         bnb_version: With ``quantize``, the bitsandbytes release the job runs
-            (``"0.42.0"``); None: the installed one, else the newest read
-            (:func:`llmem_plugin.quant.resolve_bnb_version`).
+            (``"0.42.0"``); None: the newest read, 0.50.2 (the adapters pass
+            the installed one; :func:`llmem_plugin.quant.resolve_bnb_version`).
         loss: See :class:`LossImpl`.
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
@@ -484,12 +484,6 @@ class Workload:
             if self.quantized_from is not None and self.quantized_from not in _QUANTIZED_FROM:
                 raise ConfigError(f"--quantized-from {self.quantized_from!r} is not a dtype bitsandbytes quantizes "
                                   f"from; valid: {', '.join(_QUANTIZED_FROM)}. HINT: e.g. --quantized-from fp16")
-        if self.kbit_prepare == "norms-only" and self.precision.autocast_dtype is None \
-                and self.precision is not Precision.FP32 and not self.quantize_lm_head:
-            raise ConfigError(f"--kbit-prepare norms-only with {self.precision.value}: the fp32 norm weights make the "
-                              "hidden states fp32, and the 16-bit LM head refuses them (a dtype error in the real "
-                              "run too). HINT: use --precision bf16-mixed, add --quantize-lm-head, or pass "
-                              "--kbit-prepare on")
         if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE):
             raise ConfigError(f"--loss {self.loss.value} multiplies by lm_head.weight itself, which --quantize-lm-head "
                               "packs into 4 bits. HINT: use --loss chunked or hf, or drop --quantize-lm-head")

@@ -252,12 +252,14 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True,
         hold.extend(chunks)
     del hidden
     shifted = F.pad(labels[:, 1:], (0, 1), value=_IGNORE)
+    # CEWithChunkedOutputLoss.forward counts the labelled tokens before the chunk loop.
+    total_elements = (shifted != _IGNORE).sum()
     total = torch.zeros((), device=input_ids.device)
     for logits, target in zip(chunks, shifted.chunk(num_chunks, dim=1), strict=True):
         flat = logits.reshape(-1, logits.size(-1))
         total = total + F.cross_entropy(flat.float() if upcast else flat, target.reshape(-1),
                                         ignore_index=_IGNORE, reduction="sum")
-    return total / (shifted != _IGNORE).sum()
+    return total / total_elements
 
 
 def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = None):

@@ -375,7 +375,9 @@ def test_bnb_version_is_checked_and_resolved():
     from importlib.metadata import version
 
     lora = LoraSpec(rank=4)
-    assert Workload(quantize="nf4", lora=lora).bnb_version == version("bitsandbytes")
+    # The default is the newest release read, on every machine; the adapters pass the installed one.
+    assert Workload(quantize="nf4", lora=lora).bnb_version == "0.50.2"
+    assert quant.installed_bnb_version() == version("bitsandbytes")
     assert Workload(quantize="nf4", lora=lora, bnb_version="0.45").bnb_version == "0.45.0"
     with pytest.raises(ConfigError, match="older than 0.41.0"):
         Workload(quantize="nf4", lora=lora, bnb_version="0.39.1")
@@ -438,8 +440,17 @@ def test_norms_only_preparation_upcasts_the_norm_weights_alone():
                       kbit_prepare="norms-only", quantize_lm_head=head, lora=LoraSpec(rank=4))
         fake, real = fake_and_real(cfg, wl)
         assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
-    with pytest.raises(ConfigError, match="16-bit LM head refuses them"):
-        Workload(precision="bf16", quantize="nf4", kbit_prepare="norms-only", lora=LoraSpec(rank=4))
+    # Pure bf16 with a 16-bit head: Llama's fp32 norm weight makes the last hidden state fp32, and the
+    # bf16 head refuses it, in the real run as in the trace (no estimate of a job that cannot run).
+    from llmem_plugin.errors import LLMemError
+    from llmem_plugin.step import trace_step
+
+    wl = Workload(seq_len=16, precision="bf16", quantize="nf4", kbit_prepare="norms-only", lora=LoraSpec(rank=4))
+    with pytest.raises(LLMemError, match="same dtype"):
+        estimate(cfg, wl)
+    real = modelbuild.build_model(cfg, wl, device="cpu")
+    with pytest.raises(RuntimeError, match="same dtype"):
+        trace_step(real, wl, vocab_size=cfg.vocab_size)
 
 
 @pytest.mark.parametrize("version", ["0.42.0", "0.50.2"])
@@ -511,7 +522,8 @@ def test_a_live_qlora_model_is_estimated_as_its_recipe(prepare, double_quant):
     cfg, model = _live_qlora(prepare, double_quant)
     live = live_model(model)
     assert live.quant == {"quantize": "nf4", "double_quant": double_quant, "quantize_lm_head": False,
-                          "quantized_from": None, "kbit_prepare": "on" if prepare else "off"}
+                          "quantized_from": None, "kbit_prepare": "on" if prepare else "off",
+                          "bnb_version": quant.installed_bnb_version()}
     precision = "bf16-mixed" if prepare else "bf16"  # prepared: fp32 non-quantized weights under autocast
     wl = Workload(seq_len=32, micro_batch_size=2, precision=precision, lora=live.lora, **live.quant)
     from_live = estimate(model, wl)
@@ -533,3 +545,21 @@ def test_a_live_8bit_model_is_refused_not_estimated_as_another():
                                                               has_fp16_weights=False)
     with pytest.raises(UnsupportedError, match=r"8-bit weights \(model\.layers\.0\.mlp\.down_proj"):
         estimate(model, Workload(seq_len=16, precision="bf16"))
+
+
+def test_a_live_model_whose_4bit_layers_are_not_given_to_the_workload_is_refused():
+    """The stand-ins are made, but a workload without ``quantize`` would skip the method refusals and the
+    loading that depend on it: refused, with the call that reads them."""
+    from llmem_plugin.estimate import estimate
+
+    _, model = _live_qlora(prepare=False)
+    with pytest.raises(ConfigError, match="live_quantization"):
+        estimate(model, Workload(seq_len=16, precision="bf16"))
+    bnb = pytest.importorskip("bitsandbytes")
+    cfg = tiny_config("llama")
+    fresh = modelbuild.build_model(cfg, Workload(precision="bf16"), device="cpu")
+    linear = fresh.model.layers[0].mlp.down_proj
+    pending = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=torch.bfloat16)
+    fresh.model.layers[0].mlp.down_proj = pending  # its Params4bit is quantized only on .cuda()
+    with pytest.raises(UnsupportedError, match="not quantized yet"):
+        estimate(fresh, Workload(seq_len=16, precision="bf16"))

@@ -41,6 +41,10 @@ CASES = (
     "tiny4-qwen2.5-0.5b-bf16-mixed-s256-b4-gc-sac-_scaled_dot_product_efficient_attention+mm-sdpa",
     # The plain loop: each micro-step's outputs (logits, loss and its graph) alive into the next forward.
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-ga2-sdpa-plainloop",
+    # The chunked head (torchtune's chunked-output cross-entropy, no upcast), with LoRA and accumulation.
+    # Under the plain loop (…-chunked4-noup-plainloop) the estimate is 512 B over: the ignore column the
+    # estimator's hstack keeps (torchtune caches it) against the harness's F.pad.
+    "tiny4-llama-3.2-1b-bf16-s256-b4-ga2-lora-sdpa-chunked4-noup",
 )
 
 
