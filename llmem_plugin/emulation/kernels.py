@@ -103,6 +103,25 @@ def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
     # ``storage().use_count() == 1`` fails and CUDA adds out of place (seen on
     # the stub for Llama-3.2-1B's tied embedding under checkpointing).
     return not old._is_view() and is_non_overlapping_and_dense(old) and _from_autograd_engine()
+def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
+    """The input copy a sum or mean into a wider dtype makes (a bool or int32
+    ``sum`` into int64), after its output and freed once the kernel returns.
+
+    ReduceOpsUtils.h ``make_reduction_from_shape_and_dtype`` reduces in the
+    output's dtype (``in_dtype = out_dtype``) except for fp16/bf16 into fp32 on
+    CUDA, and ``make_reduction`` hands ``self.to(in_dtype)`` to the iterator.
+    The copy is internal to the op, so a dispatch-level trace does not see it
+    (the stub CUDA device does: tests/stub/test_device.py).
+    """
+    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dtype == x.dtype:
+        return None
+    if x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32:
+        return None  # gpu_lowp_to_f32: the kernel reads the 16-bit input itself
+    if x.is_complex() or out.is_complex():
+        return None
+    return torch.empty_like(x, dtype=out.dtype)
+
+
 # Threads per multiprocessor where the table has no entry: sm90's.
 _DEFAULT_MAX_THREADS_PER_SM = 2048
 
@@ -123,7 +142,9 @@ class _CudaKernelMode(TorchDispatchMode):
             if self.mark is not None:
                 self.mark("cublas")
         elif func in REDUCE_OPS:
+            copy = _promoted_input(args[0], out)
             self._reduce_scratch(args, kwargs)
+            del copy
         elif func is _SOFTMAX_BACKWARD:
             # SoftMax.cu, softmax_backward_cuda_out: ``Tensor tmp = grad * output;``
             # after grad_input is allocated, freed on return (the CPU kernel makes none).

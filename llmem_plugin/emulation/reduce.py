@@ -20,6 +20,12 @@ CPU kernels allocate nothing of the kind, so the kernel emulation
 (:mod:`.kernels`) adds the pair to the trace after each ``sum`` / ``mean``
 that would take the global-reduce path on the target GPU.
 
+A sum or mean into a wider dtype (a bool or int32 ``sum``, which returns
+int64) also reduces a copy of its input in that dtype, made after the output
+and freed when the op returns (``make_reduction_from_shape_and_dtype``;
+fp16/bf16 into fp32 on CUDA reads the input itself); the kernel emulation
+adds it too (``kernels._promoted_input``, checked on the stub device).
+
 Known limitations:
     * Only ``sum`` and ``mean`` (what the traced steps reduce with ATen's
       generic kernel and a split); norms, ``amax`` and the like are not

@@ -88,3 +88,39 @@ def test_expandable_segments_map_in_2mib_pages(stub):
     got = stub.run_json(["-c", _EXPANDABLE.replace("SIZES", repr(_SIZES_MIB)) + stub.EXIT], env={"PYTORCH_CUDA_ALLOC_CONF": conf})
     sim = replay([(1, i, n << 20) for i, n in enumerate(_SIZES_MIB)], AllocatorConfig.from_env(conf))
     assert got == {"reserved": sim.peak_reserved_bytes, "segments": 1}
+
+
+_SUM_PROMOTED = """
+import json, torch
+out = {}
+for name, x, kw in [("bool", torch.zeros(3000, dtype=torch.bool, device="cuda"), {}),
+                    ("int32", torch.zeros(5000, dtype=torch.int32, device="cuda"), {}),
+                    ("bf16->fp32", torch.zeros(4096, dtype=torch.bfloat16, device="cuda"), {"dtype": torch.float32})]:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    s = x.sum(**kw)
+    out[name] = [torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base]
+    del s
+print(json.dumps(out))
+"""
+
+
+def test_a_sum_into_a_wider_dtype_copies_its_input_as_the_emulation_does(stub):
+    """A bool or int32 ``sum`` reduces an int64 copy of its input, made after
+    the output and freed when the op returns (ReduceOpsUtils.h); fp16/bf16 into
+    fp32 reads the input as it is. The emulation's trace has the same peak."""
+    import torch
+
+    from llmem_plugin.emulation import cuda_emulation
+    from llmem_plugin.tracker import MemoryTracker
+
+    got = stub.run_json(["-c", _SUM_PROMOTED + stub.EXIT])
+    cases = {"bool": (torch.bool, 3000, {}), "int32": (torch.int32, 5000, {}),
+             "bf16->fp32": (torch.bfloat16, 4096, {"dtype": torch.float32})}
+    for name, (dtype, n, kw) in cases.items():
+        tracker = MemoryTracker()
+        x = torch.zeros(n, dtype=dtype)
+        with tracker, cuda_emulation(autocast_dtype=None, compute_capability=(9, 0), num_sms=132):
+            s = x.sum(**kw)
+        peak, live = tracker.result().peak_bytes, s.untyped_storage().nbytes()
+        assert got[name] == [peak, 512], (name, got[name], peak, live)
