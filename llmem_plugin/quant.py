@@ -139,6 +139,10 @@ def bnb_modelled_as(text: str) -> str | None:
     the newest read (None when ``text`` was read)."""
     return _version_text(BNB_NEWEST_READ) if bnb_tuple(text) > BNB_NEWEST_READ else None
 
+# Workload.quantized_from's names for the dtypes quantize_4bit takes.
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
 # [B] nn/modules.py Params4bit.__new__: ``blocksize = 64`` when None, and
 # transformers [T] creates Linear4bit without a blocksize.
 BLOCKSIZE = 64
@@ -200,11 +204,15 @@ def quant_spec(workload: Workload) -> QuantSpec:
     if workload.quantize is Quantization.INT8:
         raise ConfigError(_INT8_REASON)
     assert workload.quantize in (Quantization.NF4, Quantization.FP4), workload.quantize
-    p = workload.precision
-    compute = p.autocast_dtype or (torch.bfloat16 if p is Precision.BF16 else torch.float32)
-    source = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[workload.quantized_from]
-    return QuantSpec(quant_type=workload.quantize.value, double_quant=workload.double_quant, compute_dtype=compute,
-                     bnb_version=workload.bnb_version, quant_dtype=source)
+    source = None if workload.quantized_from is None else _DTYPES[workload.quantized_from]
+    return QuantSpec(quant_type=workload.quantize.value, double_quant=workload.double_quant,
+                     compute_dtype=_compute_dtype(workload.precision), bnb_version=workload.bnb_version,
+                     quant_dtype=source)
+
+
+def _compute_dtype(p: Precision) -> torch.dtype:
+    """``bnb_4bit_compute_dtype`` of a precision: its autocast dtype, bf16 for pure bf16, else fp32."""
+    return p.autocast_dtype or (torch.bfloat16 if p is Precision.BF16 else torch.float32)
 
 
 _INT8_REASON = (
@@ -422,14 +430,17 @@ def _upcast_parameters(model: nn.Module, prepare: str) -> set[int]:
     if prepare == "on":
         return {id(p) for p in model.parameters()}
     if prepare == "norms-only":
-        return {id(p) for m in model.modules() if type(m).__name__.endswith("Norm")
-                for p in m.parameters(recurse=False)}
+        return {id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
     return set()
+
+
+def _is_norm(m: nn.Module) -> bool:
+    """A normalization layer, for ``norms-only`` preparation (``LlamaRMSNorm``, ``LayerNorm``, ...)."""
+    return type(m).__name__.endswith("Norm")
 
 
 # ----------------------------------------------------------------------------- a live quantized model
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _is_live_4bit(m: nn.Module) -> bool:
@@ -474,7 +485,7 @@ def live_quantization(model: nn.Module) -> dict | None:
     fp32 = [(mod, p) for mod, p in others if p.dtype == torch.float32]
     if others and len(fp32) == len(others) and source != torch.float32:
         prepare = "on"
-    elif fp32 and all(type(mod).__name__.endswith("Norm") for mod, _ in fp32):
+    elif fp32 and all(_is_norm(mod) for mod, _ in fp32):
         prepare = "norms-only"
     else:
         prepare = "off"
@@ -495,10 +506,7 @@ def live_standins(model: nn.Module, workload: Workload) -> dict[int, nn.Module]:
             continue
         qs = m.weight.quant_state
         out_features, in_features = qs.shape
-        compute = m.compute_dtype
-        if compute is None:
-            compute = workload.precision.autocast_dtype or (
-                torch.float32 if workload.precision is Precision.FP32 else torch.bfloat16)
+        compute = m.compute_dtype or _compute_dtype(workload.precision)
         spec = QuantSpec(quant_type=qs.quant_type, double_quant=bool(qs.nested), compute_dtype=compute,
                          bnb_version=workload.bnb_version or resolve_bnb_version(None), quant_dtype=qs.dtype)
         new = Linear4bitStandIn(in_features, out_features, bias=m.bias is not None, spec=spec, device="meta")
@@ -746,14 +754,7 @@ class _MatMul4Bit(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None
         layer = ctx.layer
-        # F.dequantize_4bit: nested absmax dequantized to fp32 (the offset is
-        # added in place), freed when it returns; the weight in QuantState.dtype.
-        absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=grad_output.device)
-                  if layer.double_quant else None)
-        w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=grad_output.device)
-        del absmax
-        if w.dtype != grad_output.dtype:  # ``.to(grad_output.dtype)`` copies; the dequantized one is released
-            w = torch.empty(w.shape, dtype=grad_output.dtype, device=grad_output.device)
+        w = _dequantize_4bit_to(layer, grad_output.dtype, grad_output.device)
         g = grad_output.contiguous()  # matmul folds a contiguous (.., N) grad into one mm
         grad_a = torch.empty((*g.shape[:-1], layer.in_features), dtype=g.dtype, device=g.device)
         _fill(grad_a, lambda: torch.matmul(g, _dequantized(layer).to(g.dtype)))
@@ -761,20 +762,26 @@ class _MatMul4Bit(torch.autograd.Function):
         return grad_a, None
 
 
+def _dequantize_4bit_to(layer: Linear4bitStandIn, dtype: torch.dtype, device) -> torch.Tensor:
+    """``F.dequantize_4bit(B, state).to(dtype)`` ([B] functional.py, every release
+    read): the nested absmax dequantized into one fp32 tensor
+    (``dequantize_blockwise``, then ``+= offset`` in place), freed when it
+    returns; the weight in ``QuantState.dtype``; ``.to`` copies it when that
+    is not ``dtype`` (the dequantized one is released as ``.to`` returns)."""
+    absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=device)
+              if layer.double_quant else None)
+    w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=device)
+    del absmax
+    if w.dtype != dtype:
+        w = torch.empty(w.shape, dtype=dtype, device=device)
+    return w
+
+
 def _dequantize_then_linear(a: torch.Tensor, layer: Linear4bitStandIn) -> torch.Tensor:
     """bitsandbytes before 0.50.0 ([B] 0.41.0-0.49.2 ``MatMul4Bit.forward``):
-    ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t(), bias)``.
-    ``dequantize_4bit`` dequantizes the nested absmax into one fp32 tensor
-    (``dequantize_blockwise``, then ``+= offset`` in place), freed when it
-    returns, and the weight into ``QuantState.dtype``; ``.to(A.dtype)`` copies
-    it when that is not the compute dtype (the dequantized one is released as
-    ``.to`` returns); the weight is freed once ``F.linear`` returns."""
-    absmax = (torch.empty(layer.absmax.numel(), dtype=torch.float32, device=a.device)
-              if layer.double_quant else None)
-    w = torch.empty((layer.out_features, layer.in_features), dtype=layer.quant_dtype, device=a.device)
-    del absmax
-    if w.dtype != a.dtype:  # ``.to(A.dtype)``: the copy, then the dequantized weight released
-        w = torch.empty(w.shape, dtype=a.dtype, device=a.device)
+    ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t(), bias)``; the
+    weight is freed once ``F.linear`` returns."""
+    w = _dequantize_4bit_to(layer, a.dtype, a.device)
     out = torch.empty((*a.shape[:-1], layer.out_features), dtype=a.dtype, device=a.device)
     _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), layer.bias))
     del w
