@@ -174,8 +174,11 @@ def live_model(model: nn.Module) -> LiveModel:
         if type(pc).__name__ == "LoraConfig":
             targets = pc.target_modules
             targets = ("all-linear",) if targets == "all-linear" else tuple(sorted(targets or ()))
+            # Adapters created without peft's fp32 autocast (autocast_adapter_dtype=False) keep a 16-bit dtype.
+            adapter = next((p for n, p in hf.named_parameters() if "lora_A" in n), None)
             lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
-                            target_modules=targets or LoraSpec().target_modules)
+                            target_modules=targets or LoraSpec().target_modules,
+                            adapter_dtype="fp32" if adapter is None or adapter.dtype == torch.float32 else "base")
         config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
     # The dtype most of the floating-point weights are in, by elements: fp32 LoRA adapters (peft's
     # autocast_adapter_dtype) can outnumber a 16-bit base model's tensors, never its elements.

@@ -215,6 +215,10 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated module names (default q_proj,k_proj,v_proj,o_proj), or all-linear")
     g.add_argument("--lora-dropout", type=_float_arg("--lora-dropout", 0, 1, high_open=True, example="0.05"),
                    default=None, help="LoRA dropout (default 0)")
+    g.add_argument("--lora-adapter-dtype", choices=("fp32", "base"), default=None,
+                   help="dtype of the LoRA adapters of a 16-bit model: fp32 (peft's default, "
+                        "autocast_adapter_dtype=True: each adapter runs on an fp32 copy of its input) or base "
+                        "(the base weights' dtype: peft with autocast_adapter_dtype=False, litgpt, torchtune)")
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
@@ -251,7 +255,8 @@ def _lora(args: argparse.Namespace):
     lora = None
     if args.lora_rank is not None:
         kw = {"rank": args.lora_rank, "alpha": args.lora_alpha,
-              "dropout": 0.0 if args.lora_dropout is None else args.lora_dropout}
+              "dropout": 0.0 if args.lora_dropout is None else args.lora_dropout,
+              "adapter_dtype": getattr(args, "lora_adapter_dtype", None) or "fp32"}
         if args.lora_targets is not None:
             targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
             if not targets or any(not t.replace("_", "").replace(".", "").replace("-", "").isalnum()
@@ -264,7 +269,9 @@ def _lora(args: argparse.Namespace):
         lora = LoraSpec(**kw)
     else:
         given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha),
-                                          ("--lora-dropout", args.lora_dropout)) if value is not None]
+                                          ("--lora-dropout", args.lora_dropout),
+                                          ("--lora-adapter-dtype", getattr(args, "lora_adapter_dtype", None)))
+                 if value is not None]
         if given:
             from llmem_plugin.errors import ConfigError
 

@@ -547,7 +547,7 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return peft.get_peft_model(model, cfg)
+            return peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
         except (ValueError, TypeError) as e:  # peft's own refusal of a target
             first = " ".join(str(e).split())[:300]
             raise ConfigError(f"peft cannot apply LoRA to {','.join(spec.target_modules)}: {first}. "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -97,10 +98,17 @@ def loss_path(est: Estimate) -> str:
     return f"the model's own loss (transformers' ForCausalLMLoss: full logits upcast to fp32){keep}"
 
 
+def _adapter_dtype(wl) -> str:
+    """The LoRA adapters' dtype where it is not peft's fp32 default on a 16-bit model."""
+    if wl.lora.adapter_dtype == "base" and wl.precision.param_dtype != torch.float32:
+        return f" ({str(wl.precision.param_dtype).removeprefix('torch.')} adapters)"
+    return ""
+
+
 def render_estimate(est: Estimate, console: Console) -> None:
     """Print the breakdown at the peak of ``est``."""
     wl = est.workload
-    lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
+    lora = f", LoRA r={wl.lora.rank}{_adapter_dtype(wl)}" if wl.lora else ""
     if wl.quantize is not None:  # QLoRA: the quantization and what k-bit preparation upcast
         lora += f", {wl.quantize.value}{'+dq' * wl.double_quant} base (k-bit preparation {wl.kbit_prepare})"
     every = f" every {wl.checkpoint_every} layers" if wl.checkpoint_every > 1 else ""

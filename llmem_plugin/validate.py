@@ -238,6 +238,7 @@ def _workload(d: dict[str, Any]):
         lora = LoraSpec(
             rank=lora["rank"], alpha=lora.get("alpha"), dropout=lora.get("dropout", 0.0),
             target_modules=tuple(lora.get("target_modules") or LoraSpec().target_modules),
+            adapter_dtype=lora.get("adapter_dtype", "fp32"),
         )
     return Workload(**d, lora=lora)
 

@@ -217,6 +217,8 @@ class Runner(str, Enum):
 
 # peft's LoraConfig field names -> LoraSpec's.
 _LORA_KEYS = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "targets": "target_modules"}
+# LoraSpec.adapter_dtype: peft's autocast_adapter_dtype on (fp32) or off (base).
+_ADAPTER_DTYPES = ("fp32", "base")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,12 +230,22 @@ class LoraSpec:
         alpha: ``lora_alpha``; defaults to ``2 * rank`` when None.
         target_modules: Module name suffixes to adapt, or ``("all-linear",)``.
         dropout: ``lora_dropout``.
+        adapter_dtype: ``"fp32"``: the adapters of a 16-bit model are fp32,
+            and each adapted layer runs its LoRA branch on an fp32 copy of
+            its input (peft ``get_peft_model``'s default
+            ``autocast_adapter_dtype=True``, peft/tuners/tuners_utils.py
+            ``_cast_adapter_dtype``; ``lora/layer.py`` ``_cast_input_dtype``).
+            ``"base"``: the adapters keep the base layer's dtype
+            (``autocast_adapter_dtype=False``; litgpt's ``LoRALinear`` and
+            torchtune's ``LoRALinear`` are created in the model's dtype).
+            Identical when the base weights are fp32.
     """
 
     rank: int = 16
     alpha: float | None = None
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     dropout: float = 0.0
+    adapter_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -255,6 +267,9 @@ class LoraSpec:
             raise ConfigError("LoRA target modules are empty. HINT: e.g. --lora-targets q_proj,v_proj")
         object.__setattr__(self, "target_modules", tuple(sorted(targets) if isinstance(targets, (set, frozenset))
                                                          else targets))
+        if self.adapter_dtype not in _ADAPTER_DTYPES:
+            raise ConfigError(f"LoRA adapter dtype must be one of {', '.join(_ADAPTER_DTYPES)}, got "
+                              f"{self.adapter_dtype!r}. HINT: fp32 (peft's default) or base (litgpt, torchtune)")
 
     @classmethod
     def coerce(cls, value: object) -> LoraSpec | None:
@@ -271,10 +286,11 @@ class LoraSpec:
             return value
         if isinstance(value, dict):
             fields = {_LORA_KEYS.get(k, k): v for k, v in value.items()}
-            unknown = sorted(set(fields) - {"rank", "alpha", "target_modules", "dropout"}, key=str)
+            unknown = sorted(set(fields) - {"rank", "alpha", "target_modules", "dropout", "adapter_dtype"}, key=str)
             if unknown:
                 raise ConfigError(f"lora keys {unknown} not understood; valid: rank (r), alpha (lora_alpha), "
-                                  "target_modules, dropout (lora_dropout). HINT: e.g. lora={'rank': 16}")
+                                  "target_modules, dropout (lora_dropout), adapter_dtype. "
+                                  "HINT: e.g. lora={'rank': 16}")
             if len(fields) != len(value):
                 raise ConfigError(f"lora {value!r} gives a field twice (under its name and peft's). "
                                   "HINT: keep one of rank/r, alpha/lora_alpha, dropout/lora_dropout")
@@ -519,6 +535,7 @@ class Workload:
                 "alpha": self.lora.lora_alpha,
                 "target_modules": list(self.lora.target_modules),
                 "dropout": self.lora.dropout,
+                "adapter_dtype": self.lora.adapter_dtype,
             },
             "attn_implementation": self.attn_implementation.value,
             "runner": self.runner.value,

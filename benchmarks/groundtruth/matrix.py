@@ -121,7 +121,7 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     wl = Workload(seq_len=seq, micro_batch_size=batch, grad_accum_steps=accum, precision=precision,
                   optimizer=optimizer, grad_checkpointing=gc, lora=lora, attn_implementation=attn,
                   **({"runner": loop} if loop else {}), **technique)
-    parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + _checkpoint_parts(wl) + ["lora"] * (lora is not None)
+    parts += [f"ga{accum}"] * (accum > 1) + ["gc"] * gc + _checkpoint_parts(wl) + _lora_parts(lora)
     parts += [attn] + [optimizer] * (optimizer != "adamw") + ["trainer"] * (runner == "hf-trainer")
     parts += _technique_parts(wl) + [f"t{wl.target_len}"] * (wl.target_len is not None)
     parts += [f"img{wl.images}"] * (wl.images is not None) + ["frozen-vision"] * wl.freeze_vision
@@ -130,6 +130,13 @@ def _case(model: str, precision: str, seq: int, batch: int, *, accum: int = 1, o
     return Case(id="-".join(parts), model=model, workload=wl, runner=runner, edge=expect is not None,
                 expect=expect, note=note, config_overrides=tuple(sorted((overrides or {}).items())),
                 seq_lens=seq_lens)
+
+
+def _lora_parts(lora: LoraSpec | None) -> list[str]:
+    """"lora", or "lorabase" for adapters in the base weights' dtype (LoraSpec.adapter_dtype)."""
+    if lora is None:
+        return []
+    return ["lorabase" if lora.adapter_dtype == "base" else "lora"]
 
 
 def _checkpoint_parts(wl: Workload) -> list[str]:
@@ -362,6 +369,10 @@ STUB_CASES: list[Case] = [
           prefix="tiny4-", loop="plain-loop", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
     _case("llama-3.2-1b", "bf16", 256, 4, accum=2, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
+    # LoRA adapters in the base weights' dtype (peft autocast_adapter_dtype=False; litgpt, torchtune), with
+    # dropout: each adapted layer's branch runs on its bf16 input, not an fp32 copy.
+    _case("llama-3.2-1b", "bf16", 256, 4, overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-",
+          lora=LoraSpec(rank=4, dropout=0.05, adapter_dtype="base", target_modules=("q_proj", "v_proj", "up_proj"))),
 ]
 
 

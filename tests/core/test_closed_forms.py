@@ -10,7 +10,9 @@ The closed forms come from the documented rules, not from the trace:
 * torch/optim/sgd.py: one momentum buffer like the parameter;
 * torch/optim/_adafactor.py: a row and a column factor for matrices, a full
   variance for vectors;
-* peft LoraConfig(autocast_adapter_dtype=True): adapters in fp32.
+* peft get_peft_model(autocast_adapter_dtype=True), its default: adapters of
+  a 16-bit model in fp32; autocast_adapter_dtype=False (LoraSpec.adapter_dtype
+  "base"): adapters in the base weights' dtype.
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ def test_model_state_bytes(precision, optimizer):
     assert {p.element_size() for p in params} == {2 if precision == "bf16" else 4}
 
 
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "base"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
-def test_lora_adds_fp32_adapters_and_only_they_train(precision):
+def test_lora_adds_adapters_and_only_they_train(precision, adapter_dtype):
     base = Workload(seq_len=32, micro_batch_size=1, precision=precision)
     lora = Workload(seq_len=32, micro_batch_size=1, precision=precision,
-                    lora=LoraSpec(rank=8, target_modules=("q_proj", "v_proj")))
+                    lora=LoraSpec(rank=8, target_modules=("q_proj", "v_proj"), adapter_dtype=adapter_dtype))
     params, _, full = optimizer_phase("llama", base)
     lparams, _, lres = optimizer_phase("llama", lora)
     cfg = tiny_config("llama")
@@ -85,7 +88,10 @@ def test_lora_adds_fp32_adapters_and_only_they_train(precision):
     for _ in range(cfg.num_hidden_layers):
         for out in (cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim):
             shapes += [(8, cfg.hidden_size), (out, 8)]
-    adapter_bytes = sum(round_allocation(a * b * 4) for a, b in shapes)
+    # fp32 adapters, except "base" adapters of a pure-bf16 model (bf16-mixed weights are fp32 anyway)
+    itemsize = 2 if (adapter_dtype, precision) == ("base", "bf16") else 4
+    adapter_bytes = sum(round_allocation(a * b * itemsize) for a, b in shapes)
+    assert {p.element_size() for p in lparams if p.requires_grad} == {itemsize}
     bd, lbd = full.phase_breakdowns[Phase.OPTIMIZER], lres.phase_breakdowns[Phase.OPTIMIZER]
     assert lbd[C.PARAMETER] - bd[C.PARAMETER] == adapter_bytes
     assert lbd[C.GRADIENT] == adapter_bytes

@@ -7,6 +7,8 @@ fake tensors add, drop or resize shows up as a difference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -38,6 +40,9 @@ WORKLOADS = {
     "fp16-mixed-fused": Workload(seq_len=32, micro_batch_size=1, precision="fp16-mixed", optimizer="adamw-fused"),
     "bf16-mixed-gc": Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", grad_checkpointing=True),
     "bf16-mixed-lora": Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", lora=LoraSpec(rank=4)),
+    # adapters in the base dtype: each LoRA branch runs on the bf16 input itself, no fp32 copy
+    "bf16-lora-base": Workload(seq_len=64, micro_batch_size=2, precision="bf16",
+                               lora=LoraSpec(rank=4, dropout=0.1, adapter_dtype="base")),
     "sgd-accum": Workload(seq_len=32, micro_batch_size=1, precision="bf16-mixed", optimizer="sgd",
                           grad_accum_steps=2),
     "eager-adafactor": Workload(seq_len=32, micro_batch_size=1, precision="fp32", optimizer="adafactor",
@@ -49,9 +54,9 @@ WORKLOADS = {
 def test_fake_trace_equals_real_cpu_run(arch, name):
     wl = WORKLOADS[name]
     if arch == "gpt2" and wl.lora is not None:
-        wl = Workload(**{**wl.__dict__, "lora": LoraSpec(rank=4, target_modules=("c_attn",))})
+        wl = Workload(**{**wl.__dict__, "lora": dataclasses.replace(wl.lora, target_modules=("c_attn",))})
     if arch == "opt" and wl.lora is not None:
-        wl = Workload(**{**wl.__dict__, "lora": LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))})
+        wl = Workload(**{**wl.__dict__, "lora": dataclasses.replace(wl.lora, target_modules=("q_proj", "v_proj"))})
     if arch == "mixtral" and wl.precision.value != "bf16":
         # grouped_mm experts take bf16 only on CUDA (see modelbuild._check_moe_dtype).
         wl = Workload(**{**wl.__dict__, "precision": "bf16"})

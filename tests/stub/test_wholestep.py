@@ -45,6 +45,8 @@ CASES = (
     # Under the plain loop (…-chunked4-noup-plainloop) the estimate is 512 B over: the ignore column the
     # estimator's hstack keeps (torchtune caches it) against the harness's F.pad.
     "tiny4-llama-3.2-1b-bf16-s256-b4-ga2-lora-sdpa-chunked4-noup",
+    # LoRA adapters in the base dtype (peft autocast_adapter_dtype=False), dropout 0.05: bf16 branch inputs.
+    "tiny4-llama-3.2-1b-bf16-s256-b4-lorabase-sdpa",
 )
 
 
