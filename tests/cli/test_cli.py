@@ -59,6 +59,21 @@ def test_estimate_reports_three_numbers_per_gpu(capsys):
     assert json.loads(out)["overheads"]["cublas_workspace_bytes"] == 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
+def test_lora_adapter_dtype_reaches_the_workload_and_the_report(capsys):
+    """Adapters in the base dtype (peft's autocast_adapter_dtype=False) on a pure-bf16 GPT-2: the report
+    names them, and the trainable state is half what peft's default fp32 adapters take."""
+    argv = ["estimate", "--model", "gpt2", "--seq-len", "64", "--precision", "bf16", "--lora-rank", "8",
+            "--lora-targets", "c_attn"]
+    code, out, err = run(capsys, *argv, "--lora-adapter-dtype", "base")
+    assert code == 0 and "LoRA r=8 (bfloat16 adapters)" in out, err
+    base = json.loads(run(capsys, *argv, "--lora-adapter-dtype", "base", "--json")[1])
+    fp32 = json.loads(run(capsys, *argv, "--json")[1])
+    assert base["workload"]["lora"]["adapter_dtype"] == "base" and fp32["workload"]["lora"]["adapter_dtype"] == "fp32"
+    assert base["trainable_params"] == fp32["trainable_params"]
+    # AdamW's two states per adapter parameter: 2 x 2 bytes against 2 x 4 (each tensor rounded to 512 B)
+    assert 2 * base["breakdown"]["optimizer_states"] == pytest.approx(fp32["breakdown"]["optimizer_states"], rel=0.02)
+
+
 def test_estimate_does_not_fit_a_tiny_gpu(capsys):
     code, out, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--gpu-memory", "1GiB", "--json")
     assert code == EXIT_WONT_FIT  # documented: 3 when it does not fit; the report is still printed
@@ -85,6 +100,7 @@ def test_estimate_table_lists_every_category(capsys):
         (["estimate", "--model", "gpt2", "--optimizer", "lion"], "unsupported optimizer 'lion'"),
         (["estimate", "--model", "gpt2", "--lora-rank", "4", "--lora-targets", "q_proj"], "match no module"),
         (["estimate", "--model", "gpt2", "--lora-targets", "c_attn"], "LoRA is off. HINT: add --lora-rank 16"),
+        (["estimate", "--model", "gpt2", "--lora-adapter-dtype", "base"], "LoRA is off. HINT: add --lora-rank 16"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, argv, fragment):

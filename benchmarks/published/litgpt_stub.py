@@ -1,0 +1,166 @@
+"""Run litgpt's own LoRA fine-tuning step on the stub CUDA device, for the
+litgpt config_hub rows of measurements.jsonl.
+
+The estimator models a litgpt job with transformers' class of the same
+architecture. This script runs litgpt's own code instead (its ``GPT``,
+``LoRALinear``/``LoRAQKVLinear``, ``lm_head_chunk_size=128`` and
+``chunked_cross_entropy``'s arithmetic, AdamW, the hand-written loop of
+``litgpt/finetune/lora.py`` ``fit()``), on PyTorch's CUDA build with the stub
+libraries: what PyTorch's caching allocator reports is exact, kernels compute
+nothing. It tells, for each row, what litgpt's step itself peaks at, so a gap
+between the estimate and the published figure splits into "transformers'
+class holds a different set of tensors than litgpt's" (estimate against this
+run) and "the published run peaked somewhere the step does not reach"
+(this run against the figure: validation, generation, other sequence lengths).
+
+litgpt 0.4.13 (PyPI) is the code of the table's commit 00af8b0d: the two
+differ in nothing under ``litgpt/`` (``git diff 00af8b0d v0.4.13 -- litgpt/``
+is empty). Its package ``__init__`` and ``litgpt.utils`` import Lightning,
+which the stub venv does not carry; the three modules the step needs
+(``config``, ``model``, ``lora``) import only two helpers from ``utils``, given
+here as stand-ins (a round-up to a multiple, and a checkpoint key mapper the
+step never calls).
+
+Usage (quantized rows are left out: bitsandbytes' CUDA library needs driver
+entry points the stub does not provide)::
+
+    pip download litgpt==0.4.13 --no-deps -d /tmp/litgpt
+    stubcuda/run --gpu a10g python -m benchmarks.published.litgpt_stub \\
+        --wheel /tmp/litgpt/litgpt-0.4.13-py3-none-any.whl \\
+        --out benchmarks/results/published-litgpt-stub-2026-11-27.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.machinery
+import importlib.util
+import json
+import platform
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+
+# Row id -> (litgpt config name, micro-batch, gradient accumulation, LoRA flags), read from
+# config_hub/finetune/<model>/lora.yaml at 00af8b0d (r, alpha, dropout and the lora_* switches;
+# train.micro_batch_size, train.global_batch_size / micro_batch_size on one device).
+_ALL = ("query", "key", "value", "projection", "mlp", "head")
+_QV = ("query", "value")
+ROWS = {
+    "lgch-llama-2-7b-lora": ("Llama-2-7b-hf", 2, 4, 32, 16, 0.05, _QV),
+    "lgch-llama-3.1-8b-lora": ("Llama-3.1-8B", 1, 8, 32, 16, 0.05, _QV),
+    "lgch-llama-3.2-1b-lora": ("Llama-3.2-1B", 1, 8, 32, 16, 0.05, _QV),
+    "lgch-llama-3.2-3b-lora": ("Llama-3.2-3B", 1, 8, 32, 16, 0.05, _QV),
+    "lgch-mistral-7b-lora": ("Mistral-7B-v0.1", 2, 4, 32, 16, 0.05, _QV),
+    "lgch-phi-3-lora": ("Phi-3-mini-4k-instruct", 4, 2, 8, 16, 0.05, _ALL),
+    "lgch-gemma2-2b-lora": ("Gemma-2-2b", 2, 3, 8, 16, 0.1, _ALL),
+}
+SEQ_LEN = 512  # train.max_seq_length; the transcription's tokens per sample (measurements.jsonl notes)
+OPTIMIZER_STEPS = 2
+
+
+def load_litgpt(wheel: Path) -> types.ModuleType:
+    """litgpt's ``config``, ``model`` and ``lora`` modules from ``wheel``, without
+    executing its package ``__init__`` (which imports Lightning)."""
+    root = Path(tempfile.mkdtemp(prefix="litgpt-"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(root)
+    spec = importlib.machinery.ModuleSpec("litgpt", None, is_package=True)
+    pkg = importlib.util.module_from_spec(spec)
+    pkg.__path__ = [str(root / "litgpt")]
+    sys.modules["litgpt"] = pkg
+    utils = types.ModuleType("litgpt.utils")
+    utils.find_multiple = lambda n, k: n if n % k == 0 else n + k - n % k
+    utils.map_old_state_dict_weights = lambda *a, **k: None
+    sys.modules["litgpt.utils"] = utils
+    import litgpt.lora as lora
+
+    return lora
+
+
+def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, dropout: float,
+            targets: tuple[str, ...]) -> dict:
+    import torch
+
+    flags = {f"lora_{t}": t in targets for t in _ALL}
+    config = lora.Config.from_name(name, lora_r=r, lora_alpha=alpha, lora_dropout=dropout, **flags)
+    # fabric.init_module() under bf16-true: the model, LoRA parameters included, is created in bf16.
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = lora.GPT(config)
+    torch.set_default_dtype(torch.float32)
+    lora.mark_only_lora_as_trainable(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=2e-4, weight_decay=0.0, betas=(0.9, 0.95))
+    model.max_seq_length = SEQ_LEN
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    peaks = []
+    for it in range(OPTIMIZER_STEPS * accum):
+        ids = torch.randint(0, 1000, (micro_batch, SEQ_LEN), device="cuda")
+        # finetune/lora.py fit(): logits and loss stay bound until the next iteration rebinds them.
+        logits = model(ids, lm_head_chunk_size=128)
+        logits[-1] = logits[-1][..., :-1, :]
+        targets_ = ids[..., 1:]
+        # litgpt.utils.chunked_cross_entropy on a list of chunk logits: one cross-entropy per chunk.
+        chunks = [c.reshape(-1, c.size(-1)) for c in logits]
+        target_chunks = [t.reshape(-1) for t in targets_.split(logits[0].size(1), dim=1)]
+        losses = [torch.nn.functional.cross_entropy(c, t, ignore_index=-100, reduction="none")
+                  for c, t in zip(chunks, target_chunks)]
+        count = (targets_ != -100).sum()
+        loss = torch.cat(losses).sum() / count.maximum(torch.ones_like(count))
+        (loss / accum).backward()
+        if (it + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        peaks.append(torch.cuda.max_memory_allocated())
+    out = {
+        "config": name, "micro_batch_size": micro_batch, "grad_accum": accum, "seq_len": SEQ_LEN,
+        "lora": {"r": r, "alpha": alpha, "dropout": dropout, "targets": list(targets)},
+        "weights_bytes": weights,
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "allocated_after_each_micro_step": peaks,
+    }
+    del model, optimizer, logits, loss, trainable
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--wheel", type=Path, required=True, help="litgpt-0.4.13-py3-none-any.whl")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", default=None, help="comma-separated row ids")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA device: run under stubcuda/run (see the module docstring)")
+    torch.backends.cudnn.enabled = False  # the stub's cuDNN computes nothing; LoRAQKVLinear's conv1d then
+    # runs PyTorch's own grouped convolution (what it allocates is transient, a few KiB at rank 8-32)
+    lora = load_litgpt(args.wheel)
+    ids = args.only.split(",") if args.only else list(ROWS)
+    rows = {}
+    for row_id in ids:
+        rows[row_id] = run_row(lora, *ROWS[row_id])
+        print(f"{row_id}: {rows[row_id]['max_memory_allocated'] / 2**30:.3f} GiB allocated", flush=True)
+    doc = {
+        "what": "litgpt 0.4.13's own LoRA step on the stub CUDA device (benchmarks/published/litgpt_stub.py)",
+        "date": datetime.date.today().isoformat(),
+        "environment": {
+            "torch": torch.__version__, "device": torch.cuda.get_device_name(0), "python": platform.python_version(),
+            "machine": platform.machine(), "litgpt_wheel": args.wheel.name, "cudnn": False,
+        },
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
