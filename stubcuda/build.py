@@ -62,11 +62,23 @@ def torch_dir(python: str) -> Path:
     return Path(out.strip())
 
 
-def imports(torch: Path) -> dict[str, set[str]]:
-    """Function names torch's binaries import, grouped by the soname providing them."""
+def bitsandbytes_dir(python: str) -> Path | None:
+    """bitsandbytes' package directory in ``python``'s environment, if it is installed."""
+    code = ("import importlib.util as u; s = u.find_spec('bitsandbytes'); "
+            "print(s.submodule_search_locations[0] if s else '')")
+    out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    return Path(out) if out else None
+
+
+def imports(torch: Path, extra: Path | None = None) -> dict[str, set[str]]:
+    """Function names torch's binaries import, grouped by the soname providing them; with
+    ``extra`` (bitsandbytes' package directory), its CUDA libraries' imports too, so that
+    they load (their kernels then launch into the stub and compute nothing, as torch's do)."""
     by_lib: dict[str, set[str]] = {name: set() for name in LIBRARIES}
     node_to_lib = {node: lib for lib, (_, node, _) in LIBRARIES.items() if node}
     binaries = sorted(torch.glob("lib/*.so")) + sorted(torch.glob("_C*.so"))
+    if extra is not None:
+        binaries += sorted(extra.glob("libbitsandbytes_cuda*.so"))
     for binary in binaries:
         out = subprocess.run(["nm", "-D", "--undefined-only", "--with-symbol-versions", str(binary)],
                              check=True, capture_output=True, text=True).stdout
@@ -93,7 +105,7 @@ def defined(obj: Path) -> set[str]:
 def build(python: str, out: Path) -> dict:
     torch = torch_dir(python)
     out.mkdir(parents=True, exist_ok=True)
-    needed = imports(torch)
+    needed = imports(torch, bitsandbytes_dir(python))
     summary = {}
     # libcudart first: the others link against it.
     for soname in sorted(LIBRARIES, key=lambda s: s != "libcudart.so.13"):
@@ -120,7 +132,7 @@ def build(python: str, out: Path) -> dict:
             cmd.append(f"-Wl,--version-script={script}")
         cmd += [str(o) for o in objs]
         if soname in LINK_CUDART:
-            cmd += [f"-L{out}", "-l:libcudart.so.13", f"-Wl,-rpath,$ORIGIN"]
+            cmd += [f"-L{out}", "-l:libcudart.so.13", "-Wl,-rpath,$ORIGIN"]
         cmd += ["-ldl", "-lpthread"]
         subprocess.run(cmd, check=True)
         summary[soname] = {"hand_written": len(hand), "generated": len(missing)}

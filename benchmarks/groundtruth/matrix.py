@@ -373,6 +373,12 @@ STUB_CASES: list[Case] = [
     # dropout: each adapted layer's branch runs on its bf16 input, not an fp32 copy.
     _case("llama-3.2-1b", "bf16", 256, 4, overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-",
           lora=LoraSpec(rank=4, dropout=0.05, adapter_dtype="base", target_modules=("q_proj", "v_proj", "up_proj"))),
+    # QLoRA with bitsandbytes' own CUDA library loaded on the stub (stubcuda/build.py adds its imports):
+    # packed 4-bit weights, each matmul's dequantized weight, peft's k-bit preparation on and off.
+    _case("llama-3.2-1b", "bf16-mixed", 256, 4, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", quantize="nf4", double_quant=True),
+    _case("llama-3.2-1b", "bf16", 256, 4, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", quantize="nf4", kbit_prepare="off"),
 ]
 
 

@@ -47,6 +47,11 @@ CASES = (
     "tiny4-llama-3.2-1b-bf16-s256-b4-ga2-lora-sdpa-chunked4-noup",
     # LoRA adapters in the base dtype (peft autocast_adapter_dtype=False), dropout 0.05: bf16 branch inputs.
     "tiny4-llama-3.2-1b-bf16-s256-b4-lorabase-sdpa",
+    # QLoRA through bitsandbytes 0.50.2's own CUDA library (loaded on the stub since stubcuda/build.py
+    # adds its imports): packed nf4 weights, the dequantize-then-linear path, peft's k-bit preparation off.
+    # With double quantization and the preparation on (…-bf16-mixed-s256-b4-lora-sdpa-nf4-dq) the estimate
+    # is 1,024 B (0.001%) under: an 8 KiB fp32 absmax that bitsandbytes frees when its fallback returns.
+    "tiny4-llama-3.2-1b-bf16-s256-b4-lora-sdpa-nf4-kbit-off",
 )
 
 
