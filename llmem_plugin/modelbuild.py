@@ -392,7 +392,8 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
         if workload.checkpoint_every > 1:
             _checkpoint_every(model, workload.checkpoint_every)
     if workload.lora is not None and not (isinstance(source, nn.Module) and hasattr(model, "peft_config")):
-        model = _apply_lora(model, workload.lora)  # a live peft model holds its adapters already
+        # a live peft model holds its adapters already
+        model = _apply_lora(model, workload.lora, workload.precision.param_dtype)
     return model
 
 
@@ -519,7 +520,18 @@ def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.M
     return copy.deepcopy(module, memo)
 
 
-def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+def adapters_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every peft LoRA adapter of ``model`` to ``dtype`` (``LoraSpec.adapter_dtype``
+    "base"). peft's ``autocast_adapter_dtype=False`` leaves the adapters in the base
+    weight's dtype, except over a bitsandbytes 4-bit weight, which has no float dtype
+    (``_move_adapter_to_device_of_base_layer`` then keeps them as created, fp32); a
+    recipe that creates them in the model's dtype (litgpt, torchtune) has them there."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            module.to(dtype)
+
+
+def _apply_lora(model: nn.Module, spec: LoraSpec, dtype: torch.dtype) -> nn.Module:
     from llmem_plugin.tasks import Task, model_task
 
     try:
@@ -547,11 +559,14 @@ def _apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
+            model = peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
         except (ValueError, TypeError) as e:  # peft's own refusal of a target
             first = " ".join(str(e).split())[:300]
             raise ConfigError(f"peft cannot apply LoRA to {','.join(spec.target_modules)}: {first}. "
                               "HINT: pass --lora-targets with linear module names, or all-linear") from None
+    if spec.adapter_dtype == "base":
+        adapters_to(model, dtype)
+    return model
 
 
 def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:

@@ -237,8 +237,10 @@ class LoraSpec:
             ``_cast_adapter_dtype``; ``lora/layer.py`` ``_cast_input_dtype``).
             ``"base"``: the adapters keep the base layer's dtype
             (``autocast_adapter_dtype=False``; litgpt's ``LoRALinear`` and
-            torchtune's ``LoRALinear`` are created in the model's dtype).
-            Identical when the base weights are fp32.
+            torchtune's ``LoRALinear`` are created in the model's dtype; over
+            bitsandbytes 4-bit weights, which have no float dtype, peft keeps
+            them as created, fp32, so "base" casts them:
+            ``modelbuild.adapters_to``). Identical when the weights are fp32.
     """
 
     rank: int = 16

@@ -379,6 +379,13 @@ STUB_CASES: list[Case] = [
           prefix="tiny4-", quantize="nf4", double_quant=True),
     _case("llama-3.2-1b", "bf16", 256, 4, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", quantize="nf4", kbit_prepare="off"),
+    # bitsandbytes' paged optimizers (managed memory, host memory on the stub): what goes through
+    # PyTorch's allocator; the paged states lie outside it. Alone, and as litgpt's QLoRA recipe runs them.
+    _case("llama-3.2-1b", "bf16-mixed", 256, 4, optimizer="paged-adamw", overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-"),
+    _case("llama-3.2-1b", "bf16", 256, 4, lora=LoraSpec(rank=4, dropout=0.05, adapter_dtype="base"),
+          optimizer="paged-adamw", overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-", quantize="nf4",
+          kbit_prepare="off", loss="chunked", loss_chunks=4, loss_chunk_upcast=False, loop="plain-loop"),
 ]
 
 

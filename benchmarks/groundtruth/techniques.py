@@ -193,7 +193,11 @@ def _prepare_kbit(model, wl: Workload):
                           target_modules=targets, task_type="CAUSAL_LM")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = peft.get_peft_model(model, cfg)
+        model = peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
+    if spec.adapter_dtype == "base":  # adapters made in the model's dtype, as litgpt makes them
+        from llmem_plugin.modelbuild import adapters_to
+
+        adapters_to(model, wl.precision.param_dtype)
     model.train()
     return model
 

@@ -306,6 +306,8 @@ int cudaDeviceGetAttribute(int *value, int attr, int dev) {
 
 /* ---- memory ------------------------------------------------------------ */
 
+static int drop_host(void *ptr, int owned);
+
 int cudaMalloc(void **ptr, size_t bytes) {
     if (bytes == 0) { *ptr = NULL; return cudaSuccess; }
     size_t charged = (bytes + STUB_GRANULE - 1) & ~((size_t)STUB_GRANULE - 1);
@@ -330,7 +332,7 @@ int cudaFree(void *ptr) {
     block_t *b = *pp;
     if (b) { *pp = b->next; g_used[b->dev] -= b->bytes; }
     pthread_mutex_unlock(&g_lock);
-    if (!b) return cudaErrorInvalidValue;
+    if (!b) return drop_host(ptr, 1);  /* managed memory, or an invalid pointer */
     free(b);
     return cudaSuccess;
 }
@@ -370,6 +372,13 @@ static int drop_host(void *ptr, int owned) {
 }
 
 int cudaFreeHost(void *ptr) { return ptr ? drop_host(ptr, 1) : cudaSuccess; }
+
+/* Managed memory (bitsandbytes' paged optimizer states, cget_managed_ptr) is read and
+ * written by the host through numpy/torch.frombuffer, so it is real host memory here;
+ * it is not charged to the device (it lies outside PyTorch's allocator, whose figures
+ * are what the stub measures). cudaFree releases it. Prefetching is a no-op. */
+int cudaMallocManaged(void **ptr, size_t bytes, unsigned flags) { return cudaHostAlloc(ptr, bytes, flags); }
+int cudaMemPrefetchAsync(void) { return cudaSuccess; }
 int cudaHostRegister(void *ptr, size_t bytes, unsigned flags) {
     (void)flags;
     hostrange_t *h = malloc(sizeof *h);
