@@ -174,11 +174,8 @@ def live_model(model: nn.Module) -> LiveModel:
         if type(pc).__name__ == "LoraConfig":
             targets = pc.target_modules
             targets = ("all-linear",) if targets == "all-linear" else tuple(sorted(targets or ()))
-            # Adapters created without peft's fp32 autocast (autocast_adapter_dtype=False) keep a 16-bit dtype.
-            adapter = next((p for n, p in hf.named_parameters() if "lora_A" in n), None)
             lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
-                            target_modules=targets or LoraSpec().target_modules,
-                            adapter_dtype="fp32" if adapter is None or adapter.dtype == torch.float32 else "base")
+                            target_modules=targets or LoraSpec().target_modules)
         config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
     # The dtype most of the floating-point weights are in, by elements: fp32 LoRA adapters (peft's
     # autocast_adapter_dtype) can outnumber a 16-bit base model's tensors, never its elements.
@@ -187,6 +184,12 @@ def live_model(model: nn.Module) -> LiveModel:
         if p.is_floating_point():
             elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
     dtype = max(elements, key=elements.get) if elements else torch.float32
+    if lora is not None:
+        # Adapters in the model's own 16-bit dtype: made without peft's fp32 autocast
+        # (autocast_adapter_dtype=False), or cast there by the recipe.
+        adapter = next((p for n, p in hf.named_parameters() if "lora_A" in n), None)
+        if adapter is not None and adapter.dtype == dtype and dtype != torch.float32:
+            lora = dataclasses.replace(lora, adapter_dtype="base")
     name = getattr(config, "name_or_path", "") or ""
     name = name or (f"{getattr(config, 'model_type', '')}" if config is not None else type(hf).__name__)
     from llmem_plugin.quant import live_quantization

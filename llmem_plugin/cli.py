@@ -256,7 +256,7 @@ def _lora(args: argparse.Namespace):
     if args.lora_rank is not None:
         kw = {"rank": args.lora_rank, "alpha": args.lora_alpha,
               "dropout": 0.0 if args.lora_dropout is None else args.lora_dropout,
-              "adapter_dtype": getattr(args, "lora_adapter_dtype", None) or "fp32"}
+              "adapter_dtype": args.lora_adapter_dtype or "fp32"}
         if args.lora_targets is not None:
             targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
             if not targets or any(not t.replace("_", "").replace(".", "").replace("-", "").isalnum()
@@ -270,7 +270,7 @@ def _lora(args: argparse.Namespace):
     else:
         given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha),
                                           ("--lora-dropout", args.lora_dropout),
-                                          ("--lora-adapter-dtype", getattr(args, "lora_adapter_dtype", None)))
+                                          ("--lora-adapter-dtype", args.lora_adapter_dtype))
                  if value is not None]
         if given:
             from llmem_plugin.errors import ConfigError

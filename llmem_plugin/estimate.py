@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from llmem_plugin import modelbuild
@@ -809,7 +810,17 @@ def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
     from llmem_plugin.moe import routing_note
     from llmem_plugin.tasks import image_note
 
-    return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload)) if n)
+    return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload),
+                             _adapter_note(workload)) if n)
+
+
+def _adapter_note(workload: Workload) -> str | None:
+    """Say so when ``--lora-adapter-dtype base`` changes nothing: fp32 weights make fp32 adapters."""
+    lora = workload.lora
+    if lora is not None and lora.adapter_dtype == "base" and workload.precision.param_dtype == torch.float32:
+        return (f"LoRA adapter dtype 'base': the weights are fp32 under {workload.precision.value}, "
+                "so the adapters are fp32 as with peft's default")
+    return None
 
 
 def _thin(timeline: list[tuple[int, Phase, int]], n: int) -> list[tuple[int, Phase, int]]:

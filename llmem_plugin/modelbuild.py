@@ -24,7 +24,7 @@ from llmem_plugin import catalog
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.workload import LoraSpec, Workload
 
-__all__ = ["ModelSource", "resolve_config", "check_config", "default_precision", "build_model", "fakeify", "num_layers", "set_num_layers"]
+__all__ = ["ModelSource", "adapters_to", "resolve_config", "check_config", "default_precision", "build_model", "fakeify", "num_layers", "set_num_layers"]
 
 ModelSource = Any  # str | os.PathLike | PretrainedConfig | nn.Module
 
@@ -393,7 +393,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             _checkpoint_every(model, workload.checkpoint_every)
     if workload.lora is not None and not (isinstance(source, nn.Module) and hasattr(model, "peft_config")):
         # a live peft model holds its adapters already
-        model = _apply_lora(model, workload.lora, workload.precision.param_dtype)
+        model = _apply_lora(model, workload.lora, dtype=workload.precision.param_dtype)
     return model
 
 
@@ -525,13 +525,18 @@ def adapters_to(model: nn.Module, dtype: torch.dtype) -> None:
     "base"). peft's ``autocast_adapter_dtype=False`` leaves the adapters in the base
     weight's dtype, except over a bitsandbytes 4-bit weight, which has no float dtype
     (``_move_adapter_to_device_of_base_layer`` then keeps them as created, fp32); a
-    recipe that creates them in the model's dtype (litgpt, torchtune) has them there."""
+    recipe that creates them in the model's dtype (litgpt, torchtune) has them there.
+
+    Args:
+        model: A peft model.
+        dtype: The model's parameter dtype (``Precision.param_dtype``).
+    """
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
             module.to(dtype)
 
 
-def _apply_lora(model: nn.Module, spec: LoraSpec, dtype: torch.dtype) -> nn.Module:
+def _apply_lora(model: nn.Module, spec: LoraSpec, *, dtype: torch.dtype) -> nn.Module:
     from llmem_plugin.tasks import Task, model_task
 
     try:

@@ -354,7 +354,7 @@ def _plan_rows(plan, show_all: bool) -> list:
 def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
     """Print the candidate table with the choice highlighted, and why it wins."""
     wl = plan.workload
-    lora = f", LoRA r={wl.lora.rank}" if wl.lora else ""
+    lora = f", LoRA r={wl.lora.rank}{_adapter_dtype(wl)}" if wl.lora else ""
     console.print(
         f"{plan.model} on {plan.layout.num_gpus} x {plan.gpu.name} ({plan.layout.num_nodes} node"
         f"{'s' if plan.layout.num_nodes > 1 else ''}): seq {wl.seq_len}, global batch {plan.global_batch}, "

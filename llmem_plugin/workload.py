@@ -279,7 +279,8 @@ class LoraSpec:
 
         A dict takes this class's field names or peft's (``r``, ``lora_alpha``,
         ``lora_dropout``, ``target_modules``); a ``LoraConfig`` maps the same
-        four fields.
+        four fields, and its adapters are "fp32" (the adapter dtype is
+        ``get_peft_model``'s ``autocast_adapter_dtype``, not a config field).
 
         Raises:
             ConfigError: Another type, or a dict with keys that are neither.

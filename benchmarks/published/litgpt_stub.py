@@ -21,8 +21,10 @@ which the stub venv does not carry; the three modules the step needs
 here as stand-ins (a round-up to a multiple, and a checkpoint key mapper the
 step never calls).
 
-Usage (quantized rows are left out: bitsandbytes' CUDA library needs driver
-entry points the stub does not provide)::
+Usage (the quantized rows are left out: litgpt pins bitsandbytes 0.42.0, whose
+4-bit matmul keeps its inputs, and quantizes through Lightning's
+``BitsandbytesPrecision``; the stub venv carries bitsandbytes 0.50.2 and no
+Lightning)::
 
     pip download litgpt==0.4.13 --no-deps -d /tmp/litgpt
     stubcuda/run --gpu a10g python -m benchmarks.published.litgpt_stub \\
@@ -124,7 +126,7 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
         "weights_bytes": weights,
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
-        "allocated_after_each_micro_step": peaks,
+        "peak_allocated_after_each_micro_step": peaks,
     }
     del model, optimizer, logits, loss, trainable
     torch.cuda.empty_cache()
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     # runs PyTorch's own grouped convolution (what it allocates is transient, a few KiB at rank 8-32)
     lora = load_litgpt(args.wheel)
     ids = args.only.split(",") if args.only else list(ROWS)
+    unknown = [i for i in ids if i not in ROWS]
+    if unknown:
+        p.error(f"--only {','.join(unknown)}: not a litgpt LoRA row here; valid: {', '.join(ROWS)}")
     rows = {}
     for row_id in ids:
         rows[row_id] = run_row(lora, *ROWS[row_id])

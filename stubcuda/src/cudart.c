@@ -134,7 +134,7 @@ static size_t bucket(const void *p) { return ((uintptr_t)p >> 21) % NBUCKET; }
 
 /* ---- pinned host ranges (for cudaPointerGetAttributes) ----------------- */
 
-typedef struct hostrange { char *ptr; size_t bytes; int owned; struct hostrange *next; } hostrange_t;
+typedef struct hostrange { char *ptr; size_t bytes; int owned; int managed; struct hostrange *next; } hostrange_t;
 static hostrange_t *g_host;
 
 static hostrange_t *find_host(const void *p) {
@@ -332,7 +332,7 @@ int cudaFree(void *ptr) {
     block_t *b = *pp;
     if (b) { *pp = b->next; g_used[b->dev] -= b->bytes; }
     pthread_mutex_unlock(&g_lock);
-    if (!b) return drop_host(ptr, 1);  /* managed memory, or an invalid pointer */
+    if (!b) return drop_host(ptr, 2);  /* managed memory, or an invalid pointer */
     free(b);
     return cudaSuccess;
 }
@@ -345,12 +345,11 @@ int cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     return cudaSuccess;
 }
 
-int cudaHostAlloc(void **ptr, size_t bytes, unsigned flags) {
-    (void)flags;
+static int host_alloc(void **ptr, size_t bytes, int managed) {
     void *p = NULL;
     if (posix_memalign(&p, 4096, bytes ? bytes : 1)) return cudaErrorMemoryAllocation;
     hostrange_t *h = malloc(sizeof *h);
-    h->ptr = p; h->bytes = bytes; h->owned = 1;
+    h->ptr = p; h->bytes = bytes; h->owned = 1; h->managed = managed;
     pthread_mutex_lock(&g_lock);
     h->next = g_host; g_host = h;
     pthread_mutex_unlock(&g_lock);
@@ -358,10 +357,13 @@ int cudaHostAlloc(void **ptr, size_t bytes, unsigned flags) {
     return cudaSuccess;
 }
 
+int cudaHostAlloc(void **ptr, size_t bytes, unsigned flags) { (void)flags; return host_alloc(ptr, bytes, 0); }
+
 static int drop_host(void *ptr, int owned) {
     pthread_mutex_lock(&g_lock);
     hostrange_t **pp = &g_host;
-    while (*pp && (*pp)->ptr != ptr) pp = &(*pp)->next;
+    /* owned 2: cudaFree, which releases managed memory only */
+    while (*pp && ((*pp)->ptr != ptr || (owned == 2 && !(*pp)->managed))) pp = &(*pp)->next;
     hostrange_t *h = *pp;
     if (h) *pp = h->next;
     pthread_mutex_unlock(&g_lock);
@@ -377,12 +379,17 @@ int cudaFreeHost(void *ptr) { return ptr ? drop_host(ptr, 1) : cudaSuccess; }
  * written by the host through numpy/torch.frombuffer, so it is real host memory here;
  * it is not charged to the device (it lies outside PyTorch's allocator, whose figures
  * are what the stub measures). cudaFree releases it. Prefetching is a no-op. */
-int cudaMallocManaged(void **ptr, size_t bytes, unsigned flags) { return cudaHostAlloc(ptr, bytes, flags); }
-int cudaMemPrefetchAsync(void) { return cudaSuccess; }
+int cudaMallocManaged(void **ptr, size_t bytes, unsigned flags) { (void)flags; return host_alloc(ptr, bytes, 1); }
+/* CUDA 13: (devPtr, count, struct cudaMemLocation location, flags, stream) */
+typedef struct { int type; int id; } stub_mem_location_t;
+int cudaMemPrefetchAsync(const void *p, size_t n, stub_mem_location_t loc, unsigned flags, void *stream) {
+    (void)p; (void)n; (void)loc; (void)flags; (void)stream;
+    return cudaSuccess;
+}
 int cudaHostRegister(void *ptr, size_t bytes, unsigned flags) {
     (void)flags;
     hostrange_t *h = malloc(sizeof *h);
-    h->ptr = ptr; h->bytes = bytes; h->owned = 0;
+    h->ptr = ptr; h->bytes = bytes; h->owned = 0; h->managed = 0;
     pthread_mutex_lock(&g_lock);
     h->next = g_host; g_host = h;
     pthread_mutex_unlock(&g_lock);
@@ -394,14 +401,15 @@ typedef struct { int type; int device; void *devicePointer; void *hostPointer; l
 
 int cudaPointerGetAttributes(stub_ptr_attr_t *a, const void *ptr) {
     memset(a, 0, sizeof *a);
-    /* cudaMemoryType: 0 unregistered, 1 host, 2 device. */
+    /* cudaMemoryType: 0 unregistered, 1 host, 2 device, 3 managed. */
     if (stubcuda_is_device(ptr)) {
         a->type = 2; a->device = cur_dev(); a->devicePointer = (void *)ptr;
     } else {
         pthread_mutex_lock(&g_lock);
         hostrange_t *h = find_host(ptr);
         pthread_mutex_unlock(&g_lock);
-        if (h) { a->type = 1; a->hostPointer = (void *)ptr; a->devicePointer = (void *)ptr; }
+        /* cudaMemoryType 3: managed (cudaMallocManaged) */
+        if (h) { a->type = h->managed ? 3 : 1; a->hostPointer = (void *)ptr; a->devicePointer = (void *)ptr; }
         a->device = -2;
     }
     return cudaSuccess;
