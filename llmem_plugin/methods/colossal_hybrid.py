@@ -431,6 +431,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, layout: Layout, zero_st
                             tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
                             tracker.set_phase(Phase.BACKWARD)
                             loss.backward()
+                            tracker.backward_returned()  # frees from here on belong to no module's backward
                             del loss, input_ids, labels
                             tracker.label([p.grad for p in params if p.grad is not None], MemoryCategory.GRADIENT)
                             emu.end_backward()
