@@ -172,13 +172,14 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "or flash_attention_2")
     g = p.add_argument_group("QLoRA", "quantized frozen base weights (bitsandbytes) and how the recipe prepares them; "
                              "the report states the preparation assumed")
-    g.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8}",
-                   help="bitsandbytes weights for the frozen base model (QLoRA; needs --lora-rank)")
+    g.add_argument("--quantize", default=None, metavar="{nf4,fp4,int8,nf4-torchao}",
+                   help="quantized weights for the frozen base model (QLoRA; needs --lora-rank): bitsandbytes' "
+                        "nf4/fp4/int8, or nf4-torchao (torchao's NF4, as torchtune's QLoRA runs it)")
     g.add_argument("--double-quant", action="store_true", help="quantize the 4-bit statistics too (nf4/fp4)")
-    g.add_argument("--kbit-prepare", default="on", metavar="{on,off,norms-only}",
+    g.add_argument("--kbit-prepare", default=None, metavar="{on,off,norms-only}",
                    help="with --quantize, whether peft's prepare_model_for_kbit_training runs: on (every 16-bit "
-                        "parameter to fp32, the default), off (the recipe skips it and keeps them 16-bit), "
-                        "norms-only (only the norm weights to fp32)")
+                        "parameter to fp32, the default for bitsandbytes), off (the recipe skips it and keeps "
+                        "them 16-bit; torchtune's), norms-only (only the norm weights to fp32)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the output head too (Lightning's BitsandbytesPrecision, as litgpt uses it; "
                         "transformers with llm_int8_skip_modules=[]); needs an untied head")

@@ -811,7 +811,17 @@ def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
     from llmem_plugin.tasks import image_note
 
     return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload),
-                             _adapter_note(workload)) if n)
+                             _adapter_note(workload), _quantization_note(workload)) if n)
+
+
+def _quantization_note(workload: Workload) -> str | None:
+    """torchao's quantize-on-load is outside the setup phase modelled."""
+    from llmem_plugin.workload import Quantization
+
+    if workload.quantize is Quantization.NF4_TORCHAO:
+        return ("setup phase: torchao's to_nf4 on load (torchtune builds each bf16 weight, then quantizes it) "
+                "is not modelled; the setup figure counts the NF4 weights as they are stored")
+    return None
 
 
 def _adapter_note(workload: Workload) -> str | None:

@@ -397,13 +397,19 @@ def quantize_model(model: nn.Module, workload: Workload) -> nn.Module:
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    spec = quant_spec(workload)
     skip = _keys_to_not_convert(model, quantize_lm_head=workload.quantize_lm_head)
     targets = [(name, m) for name, m in model.named_modules()
                if (type(m) is nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
     if not targets:
-        raise ConfigError(f"{type(model).__name__} has no linear layer bitsandbytes would quantize. "
-                          "HINT: drop --quantize")
+        raise ConfigError(f"{type(model).__name__} has no linear layer to quantize. HINT: drop --quantize")
+    if workload.quantize is Quantization.NF4_TORCHAO:
+        # torchtune quantizes the decoder's linear layers and keeps the output projection (and
+        # everything else) in the model's dtype: the same set transformers' skip list leaves.
+        from llmem_plugin.nf4 import quantize_nf4_torchao
+
+        quantize_nf4_torchao(model, targets)
+        return model
+    spec = quant_spec(workload)
     for name, m in targets:
         model.set_submodule(name, Linear4bitStandIn.from_linear(m, spec))
     # A 4-bit layer's bias is upcast too, but Linear4bit.forward casts it back
@@ -552,6 +558,10 @@ def unsupported(method: str, workload: Workload) -> str | None:
     q = workload.quantize.value
     if workload.quantize is Quantization.INT8:
         return _INT8_REASON
+    if workload.quantize is Quantization.NF4_TORCHAO:
+        return None if method == "single" else (
+            f"--quantize {q} with --method {method} is not modelled: torchtune's distributed QLoRA shards "
+            "NF4 weights with FSDP2, which this estimate does not. HINT: estimate one GPU (no --method)")
     if method in _SUPPORTED_METHODS:
         return None
     if method in _TENSOR_PARALLEL:

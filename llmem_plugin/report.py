@@ -53,6 +53,9 @@ def qlora_path(wl) -> str:
     """How the traced job quantizes its base weights, in words (llmem_plugin.quant)."""
     from llmem_plugin.quant import bnb_modelled_as, bnb_tuple
 
+    if not wl.quantize.bitsandbytes:
+        return ("torchao NF4 base (torchtune: attention and MLP weights, scalers quantized too; each matmul "
+                "dequantizes its weight); the output projection and every other parameter keep their dtype")
     version = f"bitsandbytes {wl.bnb_version}"
     newer = bnb_modelled_as(wl.bnb_version)
     if newer:
@@ -70,6 +73,8 @@ def qlora_path(wl) -> str:
 
 def load_path(wl) -> str:
     """How the traced job's weights reach the GPU, in words (llmem_plugin.loading)."""
+    if wl.quantize is not None and not wl.quantize.bitsandbytes:
+        return "NF4 weights placed as stored (torchao's to_nf4 on load not modelled: see the note)"
     if wl.quantize is not None:
         prep = {"on": ", then k-bit preparation casts the other weights to fp32",
                 "norms-only": ", then the norm weights are cast to fp32"}.get(wl.kbit_prepare, "")

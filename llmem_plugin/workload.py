@@ -146,11 +146,16 @@ class AttentionImpl(str, Enum):
 
 
 class Quantization(str, Enum):
-    """bitsandbytes weight quantization of the frozen base model (QLoRA)."""
+    """Weight quantization of the frozen base model (QLoRA): bitsandbytes', or torchao's NF4."""
 
     NF4 = "nf4"  # Linear4bit, quant_type="nf4"
     FP4 = "fp4"  # Linear4bit, quant_type="fp4"
     INT8 = "int8"  # Linear8bitLt (LLM.int8)
+    NF4_TORCHAO = "nf4-torchao"  # torchao's NF4Tensor, as torchtune's QLoRA runs it (llmem_plugin.nf4)
+
+    @property
+    def bitsandbytes(self) -> bool:
+        return self is not Quantization.NF4_TORCHAO
 
 
 class LossImpl(str, Enum):
@@ -351,7 +356,8 @@ class Workload:
             ``prepare_model_for_kbit_training`` does to the other parameters:
             ``on`` (it runs: every 16-bit parameter becomes fp32), ``off``
             (the recipe skips it) or ``norms-only`` (only the normalization
-            layers' parameters become fp32).
+            layers' parameters become fp32). None: ``on`` for bitsandbytes,
+            ``off`` for ``nf4-torchao`` (torchtune runs no preparation).
         quantize_lm_head: With ``quantize``, quantize the output head too
             (Lightning's ``BitsandbytesPrecision`` converts every
             ``nn.Linear``; transformers does with ``llm_int8_skip_modules=[]``).
@@ -412,7 +418,7 @@ class Workload:
     runner: Runner = Runner.TORCH
     quantize: Quantization | None = None
     double_quant: bool = False
-    kbit_prepare: str = "on"
+    kbit_prepare: str | None = None
     quantize_lm_head: bool = False
     bnb_version: str | None = None
     quantized_from: str | None = None
@@ -478,9 +484,14 @@ class Workload:
             object.__setattr__(self, "quantize", _choice(Quantization, self.quantize, "quantization", "--quantize"))
             if self.lora is None:
                 raise ConfigError(
-                    f"--quantize {self.quantize.value} freezes the base weights (bitsandbytes weights take no "
+                    f"--quantize {self.quantize.value} freezes the base weights (quantized weights take no "
                     "gradient), so it trains LoRA adapters only. HINT: add --lora-rank 16 (QLoRA)"
                 )
+        torchao = self.quantize is Quantization.NF4_TORCHAO
+        if self.kbit_prepare is None:  # peft's QLoRA recipe prepares; torchtune's (torchao NF4) does not
+            object.__setattr__(self, "kbit_prepare", "off" if torchao else "on")
+        if torchao:
+            self._check_torchao()
         if self.kbit_prepare not in _KBIT_PREPARE:
             raise ConfigError(f"unsupported k-bit preparation {self.kbit_prepare!r}; valid: "
                               f"{', '.join(_KBIT_PREPARE)}. HINT: pass --kbit-prepare with one of them")
@@ -496,7 +507,7 @@ class Workload:
             # The release only matters with 4-bit weights (it is filled in when they are set, so a copy
             # of a QLoRA workload without them drops it); the CLI refuses --bnb-version alone.
             object.__setattr__(self, "bnb_version", None)
-        else:
+        elif not torchao:
             from llmem_plugin.quant import resolve_bnb_version
 
             object.__setattr__(self, "bnb_version", resolve_bnb_version(self.bnb_version))
@@ -524,6 +535,21 @@ class Workload:
         from llmem_plugin.loading import check as check_load
 
         check_load(self)
+
+    def _check_torchao(self) -> None:
+        """What torchtune's QLoRA (torchao NF4, llmem_plugin.nf4) does not take, refused in one line."""
+        given = [flag for flag, on in (
+            ("--double-quant", self.double_quant),  # to_nf4 always quantizes its block scalers
+            (f"--kbit-prepare {self.kbit_prepare}", self.kbit_prepare != "off"),
+            ("--quantize-lm-head", self.quantize_lm_head),  # the output projection stays nn.Linear
+            (f"--quantized-from {self.quantized_from}", self.quantized_from is not None),
+            (f"--bnb-version {self.bnb_version}", self.bnb_version is not None),
+        ) if on]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} with --quantize nf4-torchao: torchtune's QLoRA quantizes the attention and "
+                "MLP weights from the model's dtype with torchao's to_nf4 (its scalers quantized too), keeps the "
+                "other weights in that dtype and runs no bitsandbytes. HINT: drop them")
 
     def to_dict(self) -> dict:
         return {
