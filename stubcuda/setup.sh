@@ -41,6 +41,8 @@ pin() { local v; v="$(version_of "$1")"; if [ -n "$v" ]; then echo "$1==$v"; els
 # bitsandbytes' CUDA build before the stand-ins are built: build.py adds its library's imports to
 # theirs, so that it loads here (its kernels launch into the stub and compute nothing, as torch's do).
 "${PIP[@]}" --no-deps "bitsandbytes==0.50.2"
+# torchao's NF4 (torchtune's QLoRA) is pure PyTorch ops; no dependencies of its own.
+"${PIP[@]}" --no-deps "$(pin torchao)"
 "$VENV/bin/python" stubcuda/build.py --python "$VENV/bin/python"
 stubcuda/run python -c "import torch; assert torch.cuda.is_available(); print('stub CUDA device:', torch.cuda.get_device_name(0), torch.__version__)"
 # ColossalAI for tests/stub/test_distributed.py (LowLevelZero on the stub), as .ci/run installs it: --no-deps, no kernels built; einops is the one more import it needs here.

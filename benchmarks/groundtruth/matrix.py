@@ -149,7 +149,8 @@ def _checkpoint_parts(wl: Workload) -> list[str]:
 def _technique_parts(wl: Workload) -> list[str]:
     parts = []
     if wl.quantize is not None:
-        parts.append(wl.quantize.value + "-dq" * wl.double_quant + "-kbit-off" * (wl.kbit_prepare == "off"))
+        parts.append(wl.quantize.value + "-dq" * wl.double_quant
+                     + "-kbit-off" * (wl.kbit_prepare == "off" and wl.quantize.bitsandbytes))
     if wl.loss.value != "hf":
         chunked = wl.loss.value == "chunked"
         parts.append(wl.loss.value + (f"{wl.loss_chunks}" + "-noup" * (not wl.loss_chunk_upcast) if chunked else ""))
@@ -386,6 +387,12 @@ STUB_CASES: list[Case] = [
     _case("llama-3.2-1b", "bf16", 256, 4, lora=LoraSpec(rank=4, dropout=0.05, adapter_dtype="base"),
           optimizer="paged-adamw", overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-", quantize="nf4",
           kbit_prepare="off", loss="chunked", loss_chunks=4, loss_chunk_upcast=False, loop="plain-loop"),
+    # torchao's NF4 as torchtune runs it (FrozenNF4Linear: torchao's own NF4Tensor and linear_nf4), bf16
+    # adapters, checkpointing; the widths are multiples torchao's to_nf4 takes (64 x 256 elements).
+    _case("llama-3.2-1b", "bf16", 256, 4, gc=True, prefix="tiny4-", quantize="nf4-torchao",
+          lora=LoraSpec(rank=4, dropout=0.05, adapter_dtype="base", target_modules=("q_proj", "v_proj")),
+          overrides={**_TINY4, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+                     "num_key_value_heads": 4, "head_dim": 32}),
 ]
 
 

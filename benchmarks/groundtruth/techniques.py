@@ -123,11 +123,45 @@ def _bnb_config(wl: Workload):
         bnb_4bit_compute_dtype=_compute_dtype(wl))
 
 
+def _build_torchao(case, *, device: str):
+    """torchtune's QLoRA: the model in its dtype, every linear layer transformers would quantize
+    replaced by torchtune's ``FrozenNF4Linear`` form (an ``nn.Linear`` whose weight is torchao's
+    ``NF4Tensor`` and whose forward is ``linear_nf4``), then LoRA as the recipe adds it."""
+    from torch import nn
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from llmem_plugin import modelbuild
+
+    ao = _require("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "quantize nf4-torchao")
+
+    class FrozenNF4Linear(nn.Linear):  # torchtune/modules/low_precision/nf4_linear.py
+        def __init__(self, linear: nn.Linear) -> None:
+            nn.Module.__init__(self)
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.weight = nn.Parameter(ao.to_nf4(linear.weight.data), requires_grad=False)
+            self.bias = None
+
+        def forward(self, x):
+            return ao.linear_nf4(input=x, weight=self.weight)
+
+    wl = case.workload
+    plain = dataclasses.replace(wl, quantize=None, kbit_prepare="on", lora=None, grad_checkpointing=False)
+    model = modelbuild.build_model(case.config(), plain, device=device)
+    skip = get_keys_to_not_convert(model)
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and should_convert_module(name, skip):
+            model.set_submodule(name, FrozenNF4Linear(module))
+    return _prepare_kbit(model, wl)
+
+
 def _build_quantized(case, *, device: str):
     """QLoRA as ``from_pretrained(quantization_config=...)`` plus the peft recipe builds it."""
     import torch
     from torch import nn
 
+    if case.workload.quantize is Quantization.NF4_TORCHAO:
+        return _build_torchao(case, device=device)
     bnb = _require("bitsandbytes", f"quantize {case.workload.quantize.value}")
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.pytorch_utils import Conv1D

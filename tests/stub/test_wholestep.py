@@ -57,6 +57,8 @@ CASES = (
     # …-lorabase-sdpa-paged-adamw-nf4-kbit-off-chunked4-noup-plainloop) the estimate is 512 B over, the
     # chunked plain loop's ignore column above.
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-sdpa-paged-adamw",
+    # torchao's NF4 as torchtune runs it: torchao's own NF4Tensor and linear_nf4 on CUDA dispatch.
+    "tiny4-llama-3.2-1b-bf16-s256-b4-gc-lorabase-sdpa-nf4-torchao",
 )
 
 
