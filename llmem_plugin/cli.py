@@ -219,7 +219,8 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-adapter-dtype", choices=("fp32", "base"), default=None,
                    help="dtype of the LoRA adapters of a 16-bit model: fp32 (peft's default, "
                         "autocast_adapter_dtype=True: each adapter runs on an fp32 copy of its input) or base "
-                        "(the base weights' dtype: peft with autocast_adapter_dtype=False, litgpt, torchtune)")
+                        "(the base weights' dtype: peft with autocast_adapter_dtype=False, litgpt, torchtune; the "
+                        "default with --quantize nf4-torchao)")
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
@@ -250,6 +251,12 @@ def _gpu(args: argparse.Namespace):
     return resolve_gpu(args.gpu, args.gpu_memory)
 
 
+def _default_adapter_dtype(args: argparse.Namespace) -> str:
+    """peft's fp32 adapters, except under torchtune's QLoRA (``--quantize nf4-torchao``), whose
+    LoRALinear is built in the model's dtype (recipes' ``set_default_dtype`` around instantiate)."""
+    return "base" if getattr(args, "quantize", None) == "nf4-torchao" else "fp32"
+
+
 def _lora(args: argparse.Namespace):
     from llmem_plugin.workload import LoraSpec
 
@@ -257,7 +264,7 @@ def _lora(args: argparse.Namespace):
     if args.lora_rank is not None:
         kw = {"rank": args.lora_rank, "alpha": args.lora_alpha,
               "dropout": 0.0 if args.lora_dropout is None else args.lora_dropout,
-              "adapter_dtype": args.lora_adapter_dtype or "fp32"}
+              "adapter_dtype": args.lora_adapter_dtype or _default_adapter_dtype(args)}
         if args.lora_targets is not None:
             targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
             if not targets or any(not t.replace("_", "").replace(".", "").replace("-", "").isalnum()

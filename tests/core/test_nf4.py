@@ -143,6 +143,21 @@ def test_shapes_torchao_cannot_quantize_are_refused():
         nf4.NF4LinearStandIn(64, 64, dtype=torch.bfloat16, device="meta", name="q_proj")
 
 
+def test_the_cli_gives_torchtune_adapters_the_model_dtype(capsys):
+    """torchtune builds its LoRALinear in the model's dtype: under --quantize nf4-torchao the CLI's
+    adapter dtype defaults to base (bf16 here); an explicit fp32 stays fp32."""
+    import json
+
+    from llmem_plugin.cli import main
+
+    argv = ["estimate", "--model", "llama-3.2-1b", "--seq-len", "64", "--precision", "bf16", "--lora-rank", "8",
+            "--quantize", "nf4-torchao", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["lora"]["adapter_dtype"] == "base"
+    assert main([*argv, "--lora-adapter-dtype", "fp32"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["lora"]["adapter_dtype"] == "fp32"
+
+
 def test_only_one_gpu_is_modelled():
     wl = Workload(quantize="nf4-torchao", lora=LoraSpec(rank=4))
     assert quant.unsupported("single", wl) is None
