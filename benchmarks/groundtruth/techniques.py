@@ -123,12 +123,19 @@ def _bnb_config(wl: Workload):
         bnb_4bit_compute_dtype=_compute_dtype(wl))
 
 
+def _not_converted(model) -> list[str]:
+    """The modules a quantizer leaves in the model's dtype: transformers/quantizers/quantizer_bnb_4bit.py
+    (_8bit.py) ``_process_model_before_weight_loading``; torchtune leaves the same (the output projection)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    return list(set(get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])))
+
+
 def _build_torchao(case, *, device: str):
     """torchtune's QLoRA: the model in its dtype, every linear layer transformers would quantize
     replaced by torchtune's ``FrozenNF4Linear`` form (an ``nn.Linear`` whose weight is torchao's
     ``NF4Tensor`` and whose forward is ``linear_nf4``), then LoRA as the recipe adds it."""
     from torch import nn
-    from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     from llmem_plugin import modelbuild
@@ -148,7 +155,7 @@ def _build_torchao(case, *, device: str):
     wl = case.workload
     plain = dataclasses.replace(wl, quantize=None, kbit_prepare="on", lora=None, grad_checkpointing=False)
     model = modelbuild.build_model(case.config(), plain, device=device)
-    skip = get_keys_to_not_convert(model)
+    skip = _not_converted(model)
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and should_convert_module(name, skip):
             model.set_submodule(name, FrozenNF4Linear(module))
@@ -165,7 +172,6 @@ def _build_quantized(case, *, device: str):
     bnb = _require("bitsandbytes", f"quantize {case.workload.quantize.value}")
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.base import get_keys_to_not_convert
 
     from llmem_plugin import modelbuild
 
@@ -178,8 +184,7 @@ def _build_quantized(case, *, device: str):
                                 precision="bf16" if compute == torch.bfloat16 else wl.precision)
     model = modelbuild.build_model(case.config(), plain, device=device).to(compute)
     originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Conv1D)}
-    # transformers/quantizers/quantizer_bnb_4bit.py (_8bit.py), _process_model_before_weight_loading.
-    skip = list(set(get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])))
+    skip = _not_converted(model)
     replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=_bnb_config(wl))
     for name, module in model.named_modules():
         old = originals.get(name)
