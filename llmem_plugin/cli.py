@@ -200,6 +200,10 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
     g.add_argument("--loss-chunk-upcast", default="on", choices=("on", "off"),
                    help="with --loss chunked: upcast each chunk's logits to fp32 (on, torchtune) or not (off)")
+    g.add_argument("--outputs-to-fp32", action="store_true",
+                   help="the loop's model wrapper returns the model's outputs cast to fp32 and the loop's loss runs "
+                        "on them, as Lightning Fabric does under bf16-true/16-true/bitsandbytes precision "
+                        "(litgpt's finetune scripts)")
     g.add_argument("--logits-to-keep", type=_LOGITS_TO_KEEP, default=0,
                    help="compute logits and loss for only the last N tokens (default 0: all)")
     g = p.add_argument_group("activations and reference model")
@@ -322,6 +326,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
         "loss_chunk_upcast": getattr(args, "loss_chunk_upcast", "on") == "on",
+        "outputs_to_fp32": getattr(args, "outputs_to_fp32", False),
         "logits_to_keep": args.logits_to_keep,
         "offload_activations": args.offload_activations,
         "reference_model": args.reference_model,

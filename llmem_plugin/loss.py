@@ -150,10 +150,10 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         raise ConfigError(f"--loss {workload.loss.value} with output_router_logits on '{arch}' is not modelled "
                           "(the router loss is added by the model's own forward). HINT: use --loss hf")
     if workload.loss is LossImpl.NO_UPCAST:
-        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep)
+        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep, workload.outputs_to_fp32)
     if workload.loss is LossImpl.CHUNKED:
         head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm),
-                             keep_logits=workload.runner is Runner.PLAIN_LOOP)
+                             keep_logits=workload.runner is Runner.PLAIN_LOOP, outputs_to_fp32=workload.outputs_to_fp32)
     elif workload.loss is LossImpl.CCE:
         head = _cce_head(causal_lm)
     else:
@@ -201,7 +201,7 @@ def _hf_logits_to_keep(model: nn.Module, causal_lm: PreTrainedModel, input_ids: 
 
 
 def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor,
-               keep: int) -> Mapping[str, torch.Tensor]:
+               keep: int, outputs_to_fp32: bool = False) -> Mapping[str, torch.Tensor]:
     kwargs = {}
     if keep:
         if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
@@ -210,6 +210,8 @@ def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Te
         kwargs["logits_to_keep"] = keep
         labels = labels[:, -keep:]
     out = model(input_ids=input_ids, use_cache=False, **kwargs)
+    if outputs_to_fp32:  # the loop's wrapper casts the returned logits before the loop's loss (Fabric)
+        out["logits"] = out["logits"].to(torch.float32)
     logits = out["logits"]
     # ForCausalLMLoss (transformers loss/loss_utils.py) without `logits = logits.float()`:
     # labels padded with ignore_index and shifted, both flattened, mean over the kept labels.
@@ -280,11 +282,14 @@ def logit_transform(causal_lm: PreTrainedModel):
                       f"{between[0]!r} on the logits before the loss. HINT: use --loss hf or --loss no-upcast")
 
 
-def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits, keep_logits: bool = False):
+def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits, keep_logits: bool = False,
+                  outputs_to_fp32: bool = False):
     """The chunked head; ``keep_logits``: the chunks are returned with the loss
     (a model that returns its chunk logits to the loop: litgpt's
     ``GPT.forward(lm_head_chunk_size=...)``), so a loop that keeps its outputs
-    keeps them."""
+    keeps them. ``outputs_to_fp32``: the loop's wrapper casts the returned
+    chunks to fp32 before the loop's loss runs on them (Lightning Fabric's
+    ``convert_output``, :attr:`Workload.outputs_to_fp32`)."""
 
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor):
         # TransformerDecoder.chunked_output: [output(c) for c in h.chunk(n, dim=1)];
@@ -293,6 +298,10 @@ def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits:
         output = self.get_output_embeddings()
         logits = [transform(output(chunk)) for chunk in hidden.chunk(num_chunks, dim=1)]
         del hidden
+        if outputs_to_fp32:
+            # Fabric converts the returned list into a new one, chunk by chunk; the 16-bit
+            # chunks go when the old list does.
+            logits = [c.to(torch.float32) for c in logits]
         # torchtune recipes (full_finetune_single_device.py _loss_step): labels
         # shifted left, a column of ignore_index appended (torch.hstack).
         ignore = torch.full((labels.shape[0], 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)

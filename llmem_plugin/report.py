@@ -89,6 +89,13 @@ def loss_path(est: Estimate) -> str:
     wl = est.workload
     if est.model_class and not est.model_class.endswith(("ForCausalLM", "LMHeadModel")):
         return f"{est.model_class}'s own loss"  # other tasks: their forward's loss, as traced
+    path = _loss_path(wl)
+    if wl.outputs_to_fp32:  # Lightning Fabric's convert_output (Workload.outputs_to_fp32)
+        path += "; the model's outputs cast to fp32 by the loop's wrapper (Lightning Fabric)"
+    return path
+
+
+def _loss_path(wl) -> str:
     keep = f" on the last {wl.logits_to_keep} tokens" if wl.logits_to_keep else ""
     if wl.loss.value == "cce":
         return "Cut Cross-Entropy (cut-cross-entropy: no logits; lse, positions and the vocabulary order only)"

@@ -377,6 +377,16 @@ class Workload:
         loss_chunk_upcast: With ``loss="chunked"``, upcast each chunk's
             logits to fp32 before its cross-entropy (torchtune; True) or keep
             the logits' own dtype (False).
+        outputs_to_fp32: The loop's model wrapper casts every floating
+            tensor of the model's output to fp32 before the loop computes
+            its loss: Lightning Fabric's ``_FabricModule.forward`` runs
+            ``precision.convert_output``, ``tensor.to(torch.get_default_dtype())``,
+            under every precision plugin but 32-true (Lightning 2.1-2.4
+            ``fabric/wrappers.py``; ``plugins/precision/half.py``,
+            ``bitsandbytes.py``, ``amp.py``): litgpt's scripts. A loss the
+            loop computes on the returned logits (``chunked``, ``no-upcast``)
+            then runs on the fp32 copies; a loss the model computes itself
+            (``hf``) runs first and the copy is made afterwards.
         offload_activations: See :class:`ActivationOffload`, or None.
         reference_model: Also run a frozen reference model's forward under
             ``no_grad`` after each policy forward, as DPO does (TRL): a
@@ -426,6 +436,7 @@ class Workload:
     logits_to_keep: int = 0
     loss_chunks: int = 8
     loss_chunk_upcast: bool = True
+    outputs_to_fp32: bool = False
     offload_activations: ActivationOffload | None = None
     reference_model: bool = False
     target_len: int | None = None
@@ -529,6 +540,10 @@ class Workload:
         if not self.loss_chunk_upcast and self.loss is not LossImpl.CHUNKED:
             raise ConfigError(f"--loss-chunk-upcast off applies to --loss chunked, not --loss {self.loss.value}. "
                               "HINT: add --loss chunked, or use --loss no-upcast for unchunked logits")
+        if self.outputs_to_fp32 and self.runner in (Runner.HF_TRAINER, Runner.LIGHTNING):
+            raise ConfigError(f"--outputs-to-fp32 models Lightning Fabric's output cast in a hand-written loop, not "
+                              f"--runner {self.runner.value} (which casts as its own code does). "
+                              "HINT: use --runner torch or plain-loop with --outputs-to-fp32")
         if self.logits_to_keep > self.seq_len:
             raise ConfigError(f"logits_to_keep {self.logits_to_keep} exceeds seq_len {self.seq_len}. "
                               "HINT: pass --logits-to-keep N with N <= --seq-len, or 0 for all tokens")
@@ -578,6 +593,7 @@ class Workload:
             "logits_to_keep": self.logits_to_keep,
             "loss_chunks": self.loss_chunks,
             "loss_chunk_upcast": self.loss_chunk_upcast,
+            "outputs_to_fp32": self.outputs_to_fp32,
             "offload_activations": None if self.offload_activations is None else self.offload_activations.value,
             "reference_model": self.reference_model,
             "target_len": self.target_len,

@@ -7,7 +7,13 @@ architecture. This script runs litgpt's own code instead (its ``GPT``,
 ``chunked_cross_entropy``'s arithmetic, AdamW, the hand-written loop of
 ``litgpt/finetune/lora.py`` ``fit()``), on PyTorch's CUDA build with the stub
 libraries: what PyTorch's caching allocator reports is exact, kernels compute
-nothing. It tells, for each row, what litgpt's step itself peaks at, so a gap
+nothing. The step includes what Lightning Fabric adds around the model: its
+``_FabricModule`` returns the outputs cast to fp32 (``convert_output``), so
+the loss runs on fp32 copies of the logit chunks. After the steps it runs
+``validate()``'s batch (an unchunked no_grad forward and the sliced
+cross-entropy) with the last step's outputs still bound, as ``fit()`` does
+every ``eval.interval`` steps; ``step_max_memory_allocated`` is the peak
+before it. It tells, for each row, what litgpt's step itself peaks at, so a gap
 between the estimate and the published figure splits into "transformers'
 class holds a different set of tensors than litgpt's" (estimate against this
 run) and "the published run peaked somewhere the step does not reach"
@@ -106,6 +112,11 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
         ids = torch.randint(0, 1000, (micro_batch, SEQ_LEN), device="cuda")
         # finetune/lora.py fit(): logits and loss stay bound until the next iteration rebinds them.
         logits = model(ids, lm_head_chunk_size=128)
+        # Lightning 2.4's _FabricModule.forward (fabric/wrappers.py) passes the output through
+        # precision.convert_output, which for bf16-true (HalfPrecision) and BitsandbytesPrecision alike is
+        # `tensor.to(torch.get_default_dtype())` on every floating tensor (plugins/precision/half.py,
+        # bitsandbytes.py): each bf16 logit chunk comes back as an fp32 copy.
+        logits = [c.to(torch.get_default_dtype()) for c in logits]
         logits[-1] = logits[-1][..., :-1, :]
         targets_ = ids[..., 1:]
         # litgpt.utils.chunked_cross_entropy on a list of chunk logits: one cross-entropy per chunk.
@@ -120,10 +131,24 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
             optimizer.step()
             optimizer.zero_grad()
         peaks.append(torch.cuda.max_memory_allocated())
+    step_peak = torch.cuda.max_memory_allocated()
+    # fit() runs validate() every eval.interval optimizer steps, right after an optimizer step, while its
+    # frame still binds the last micro-step's `logits` (the chunk list) and `loss`. validate() (no_grad,
+    # eval mode): an unchunked forward, then chunked_cross_entropy(logits[..., :-1, :], ..., chunk_size=0),
+    # whose reshape of the sliced view copies it. Validation batches are micro_batch_size samples.
+    model.eval()
+    with torch.no_grad():
+        val_ids = torch.randint(0, 1000, (micro_batch, SEQ_LEN), device="cuda")
+        val_logits = model(val_ids).to(torch.get_default_dtype())
+        flat = val_logits[..., :-1, :].reshape(-1, val_logits.size(-1))
+        val_loss = torch.nn.functional.cross_entropy(flat, val_ids[..., 1:].reshape(-1), ignore_index=-100)
+        del val_logits, flat, val_loss
+    model.train()
     out = {
         "config": name, "micro_batch_size": micro_batch, "grad_accum": accum, "seq_len": SEQ_LEN,
         "lora": {"r": r, "alpha": alpha, "dropout": dropout, "targets": list(targets)},
         "weights_bytes": weights,
+        "step_max_memory_allocated": step_peak,
         "max_memory_allocated": torch.cuda.max_memory_allocated(),
         "max_memory_reserved": torch.cuda.max_memory_reserved(),
         "peak_allocated_after_each_micro_step": peaks,
