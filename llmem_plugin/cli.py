@@ -224,7 +224,7 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of the LoRA adapters of a 16-bit model: fp32 (peft's default, "
                         "autocast_adapter_dtype=True: each adapter runs on an fp32 copy of its input) or base "
                         "(the base weights' dtype: peft with autocast_adapter_dtype=False, litgpt, torchtune; the "
-                        "default with --quantize nf4-torchao)")
+                        "default with --quantize nf4-torchao and with a litgpt:NAME model)")
 
 
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
@@ -258,7 +258,11 @@ def _gpu(args: argparse.Namespace):
 def _default_adapter_dtype(args: argparse.Namespace) -> str:
     """peft's fp32 adapters, except under torchtune's QLoRA (``--quantize nf4-torchao``), whose
     LoRALinear is built in the model's dtype (recipes' ``set_default_dtype`` around instantiate)."""
-    return "base" if getattr(args, "quantize", None) == "nf4-torchao" else "fp32"
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if getattr(args, "quantize", None) == "nf4-torchao" or is_litgpt_source(getattr(args, "model", None)):
+        return "base"  # litgpt too: it creates its adapters inside fabric.init_module()
+    return "fp32"
 
 
 def _lora(args: argparse.Namespace):
@@ -316,13 +320,18 @@ def _technique_fields(args: argparse.Namespace) -> dict:
 
         raise ConfigError("--bnb-version applies to quantized base weights. HINT: add --quantize nf4 (QLoRA), "
                           "or drop --bnb-version")
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    # litgpt quantizes through Lightning's BitsandbytesPrecision: every nn.Linear, the head included,
+    # from fp16, and no k-bit preparation (llmem_plugin.litgpt); those are its defaults here.
+    lightning_bnb = args.quantize in ("nf4", "fp4") and is_litgpt_source(getattr(args, "model", None))
     return {
         "quantize": args.quantize,
         "double_quant": args.double_quant,
-        "kbit_prepare": args.kbit_prepare,
-        "quantize_lm_head": args.quantize_lm_head,
+        "kbit_prepare": args.kbit_prepare or ("off" if lightning_bnb else None),
+        "quantize_lm_head": args.quantize_lm_head or lightning_bnb,
         "bnb_version": args.bnb_version,
-        "quantized_from": args.quantized_from,
+        "quantized_from": args.quantized_from or ("fp16" if lightning_bnb else None),
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
         "loss_chunk_upcast": getattr(args, "loss_chunk_upcast", "on") == "on",

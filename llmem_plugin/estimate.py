@@ -281,6 +281,10 @@ def vocab_size_of(model: nn.Module) -> int:
     vocabulary when the embedding has more (Mllama's holds 8 extra rows past
     ``text_config.vocab_size``, MllamaTextModel, that the LM head has no logit
     for)."""
+    from llmem_plugin import litgpt
+
+    if litgpt.is_litgpt_model(model):
+        return litgpt.vocab_size(model)
     rows = int(model.get_input_embeddings().num_embeddings)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
@@ -542,6 +546,10 @@ def _check_source(model: Any) -> None:
         return
     text = os.fspath(model)
     from llmem_plugin import catalog
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if is_litgpt_source(text):  # llmem_plugin.litgpt checks its name or file
+        return
 
     looks_like_path = text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1 or "\\" in text
     if looks_like_path and catalog.lookup(text) is None and not os.path.exists(os.path.expanduser(text)):
@@ -724,6 +732,11 @@ def estimate(
     memory_timeline: list[tuple[int, str, int, int]] = []
     fast_notes: tuple[str, ...] = ()
     replay_in_full = True  # the step's whole event stream is replayed (traced, or built by fastsynth)
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if fast and is_litgpt_source(model):  # fast mode builds shortened transformers configs
+        fast = False
+        fast_notes = ("fast mode does not apply to a litgpt model: its step was traced in full",)
     if fast and not isinstance(model, nn.Module):
         from llmem_plugin.fast import extrapolated_trace
         from llmem_plugin.fastsynth import SynthesisError, full_depth_trace

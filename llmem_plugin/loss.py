@@ -120,7 +120,7 @@ def unsupported(method: str, workload: Workload) -> str | None:
 
 
 def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                      workload: Workload) -> Mapping[str, torch.Tensor]:
+                      workload: Workload, drop_previous=None) -> Mapping[str, torch.Tensor]:
     """Run ``model``'s forward and the workload's loss.
 
     Called inside the workload's autocast region, as a trainer calls its
@@ -131,6 +131,9 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         input_ids: ``(batch, seq)`` token ids.
         labels: ``(batch, seq)`` labels, unshifted (the loss shifts them).
         workload: Picks the loss (``loss``, ``logits_to_keep``, ``loss_chunks``).
+        drop_previous: Releases what a plain loop holds of its last micro-step;
+            called once the logits exist and before a loss the loop computes on
+            them (``no-upcast``, and a ``chunked`` head that returns its chunks).
 
     Returns:
         The model output, a mapping with ``"loss"`` (and ``"logits"`` where the
@@ -150,10 +153,12 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         raise ConfigError(f"--loss {workload.loss.value} with output_router_logits on '{arch}' is not modelled "
                           "(the router loss is added by the model's own forward). HINT: use --loss hf")
     if workload.loss is LossImpl.NO_UPCAST:
-        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep, workload.outputs_to_fp32)
+        return _no_upcast(model, causal_lm, input_ids, labels, workload.logits_to_keep, workload.outputs_to_fp32,
+                          drop_previous)
     if workload.loss is LossImpl.CHUNKED:
         head = _chunked_head(workload.loss_chunks, workload.loss_chunk_upcast, logit_transform(causal_lm),
-                             keep_logits=workload.runner is Runner.PLAIN_LOOP, outputs_to_fp32=workload.outputs_to_fp32)
+                             keep_logits=workload.runner is Runner.PLAIN_LOOP, outputs_to_fp32=workload.outputs_to_fp32,
+                             drop_previous=drop_previous)
     elif workload.loss is LossImpl.CCE:
         head = _cce_head(causal_lm)
     else:
@@ -201,7 +206,7 @@ def _hf_logits_to_keep(model: nn.Module, causal_lm: PreTrainedModel, input_ids: 
 
 
 def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor,
-               keep: int, outputs_to_fp32: bool = False) -> Mapping[str, torch.Tensor]:
+               keep: int, outputs_to_fp32: bool = False, drop_previous=None) -> Mapping[str, torch.Tensor]:
     kwargs = {}
     if keep:
         if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
@@ -210,6 +215,8 @@ def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Te
         kwargs["logits_to_keep"] = keep
         labels = labels[:, -keep:]
     out = model(input_ids=input_ids, use_cache=False, **kwargs)
+    if drop_previous is not None:  # the loop's `outputs = model(...)`, before its own loss
+        drop_previous()
     if outputs_to_fp32:  # the loop's wrapper casts the returned logits before the loop's loss (Fabric)
         out["logits"] = out["logits"].to(torch.float32)
     logits = out["logits"]
@@ -283,13 +290,15 @@ def logit_transform(causal_lm: PreTrainedModel):
 
 
 def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits: logits, keep_logits: bool = False,
-                  outputs_to_fp32: bool = False):
+                  outputs_to_fp32: bool = False, drop_previous=None):
     """The chunked head; ``keep_logits``: the chunks are returned with the loss
     (a model that returns its chunk logits to the loop: litgpt's
     ``GPT.forward(lm_head_chunk_size=...)``), so a loop that keeps its outputs
     keeps them. ``outputs_to_fp32``: the loop's wrapper casts the returned
     chunks to fp32 before the loop's loss runs on them (Lightning Fabric's
-    ``convert_output``, :attr:`Workload.outputs_to_fp32`)."""
+    ``convert_output``, :attr:`Workload.outputs_to_fp32`). ``drop_previous``:
+    with ``keep_logits``, the loop's last chunks and loss are released once
+    the new chunks exist, where litgpt's ``fit()`` rebinds ``logits``."""
 
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor):
         # TransformerDecoder.chunked_output: [output(c) for c in h.chunk(n, dim=1)];
@@ -298,6 +307,8 @@ def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits:
         output = self.get_output_embeddings()
         logits = [transform(output(chunk)) for chunk in hidden.chunk(num_chunks, dim=1)]
         del hidden
+        if keep_logits and drop_previous is not None:
+            drop_previous()
         if outputs_to_fp32:
             # Fabric converts the returned list into a new one, chunk by chunk; the 16-bit
             # chunks go when the old list does.

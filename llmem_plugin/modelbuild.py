@@ -49,6 +49,12 @@ def resolve_config(source: ModelSource):
     import transformers
 
     _quiet_transformers()
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if is_litgpt_source(source):
+        raise UnsupportedError(f"{source!r} is a litgpt model, which is modelled on one GPU only: `llmem estimate "
+                               "--model litgpt:NAME` (no --method, no plan). HINT: for other methods "
+                               "estimate the transformers model of the same architecture")
     if isinstance(source, transformers.PretrainedConfig):
         check_config(source)
         return source
@@ -301,6 +307,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     """
 
     _quiet_transformers()
+    from llmem_plugin import litgpt
+
+    if litgpt.is_litgpt_source(source):  # litgpt's own GPT class (llmem_plugin.litgpt)
+        return litgpt.build(source, workload, device=device)
     from llmem_plugin.tasks import check_workload, model_task
 
     if isinstance(source, nn.Module):
@@ -465,6 +475,10 @@ def default_precision(source: ModelSource) -> tuple[str, str | None]:
     """
     if isinstance(source, nn.Module):
         return "bf16-mixed", None
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if is_litgpt_source(source):  # litgpt's finetune configs: precision bf16-true
+        return "bf16", "litgpt's finetune configs train in bf16-true"
     config = resolve_config(source)
     if _runs_grouped_mm_experts(config):
         return "bf16", (f"{type(config).__name__.removesuffix('Config')} runs its experts with grouped_mm, "

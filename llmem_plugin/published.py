@@ -85,8 +85,11 @@ def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]
             from llmem_plugin import catalog
             from llmem_plugin.validate import _workload
 
-            if catalog.lookup(row["model"]) is None:
-                raise ConfigError(f"{n}: model {row['model']!r} is not in the catalog. HINT: llmem models")
+            from llmem_plugin.litgpt import is_litgpt_source
+
+            if not is_litgpt_source(row["model"]) and catalog.lookup(row["model"]) is None:
+                raise ConfigError(f"{n}: model {row['model']!r} is not in the catalog. HINT: llmem models, or "
+                                  "litgpt:NAME for litgpt's own class")
             try:
                 _workload(row["workload"])
             except TypeError as e:  # an unknown Workload field
@@ -121,8 +124,13 @@ def _predict(row: dict[str, Any]) -> int:
     from llmem_plugin.estimate import estimate
     from llmem_plugin.validate import _workload
 
-    config = catalog.load_config(row["model"], row.get("config_overrides") or None)
-    est = estimate(config, _workload(row["workload"]), fast=True, gpu=row.get("gpu") or "h100-sxm")
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if is_litgpt_source(row["model"]):  # litgpt's own model class, built from litgpt's config table
+        source = row["model"]
+    else:
+        source = catalog.load_config(row["model"], row.get("config_overrides") or None)
+    est = estimate(source, _workload(row["workload"]), fast=True, gpu=row.get("gpu") or "h100-sxm")
     metric = row["metric"]
     if metric == "allocated":
         return est.peak_allocated_bytes

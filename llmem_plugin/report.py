@@ -87,6 +87,10 @@ def load_path(wl) -> str:
 def loss_path(est: Estimate) -> str:
     """How the traced step computed its loss, in words (llmem_plugin.loss)."""
     wl = est.workload
+    if est.model.startswith("litgpt:"):  # llmem_plugin.litgpt: litgpt's scripts compute their own loss
+        from llmem_plugin.litgpt import loss_path as litgpt_loss_path
+
+        return litgpt_loss_path(wl)
     if est.model_class and not est.model_class.endswith(("ForCausalLM", "LMHeadModel")):
         return f"{est.model_class}'s own loss"  # other tasks: their forward's loss, as traced
     path = _loss_path(wl)

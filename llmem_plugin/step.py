@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmem_plugin import _pause
+from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.emulation import (
     DEFAULT_COMPUTE_CAPABILITY,
     autocast_region,
@@ -88,16 +89,23 @@ def _fabric_outputs(out):
 
 
 def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, workload: Workload,
-             extra: dict[str, torch.Tensor] | None = None):
+             extra: dict[str, torch.Tensor] | None = None, drop_previous: Callable[[], None] | None = None):
     """The model's forward with its loss, as the workload computes it; returns
-    a mapping with ``"loss"``. ``extra``: the task's other inputs (images)."""
+    a mapping with ``"loss"``. ``extra``: the task's other inputs (images).
+    ``drop_previous``: releases what a plain loop still holds of the last
+    micro-step; called where the loop rebinds its name for the outputs, when
+    the model returns and before a loss the loop computes itself."""
     from llmem_plugin.workload import LossImpl
 
+    from llmem_plugin import litgpt
+
+    if litgpt.is_litgpt_model(model):  # litgpt's own loop and loss (llmem_plugin.litgpt)
+        return litgpt.forward_with_loss(model, input_ids, labels, drop_previous)
     if workload.loss is LossImpl.HF and not workload.logits_to_keep:
         return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
     from llmem_plugin.loss import forward_with_loss
 
-    return forward_with_loss(model, input_ids, labels, workload)
+    return forward_with_loss(model, input_ids, labels, workload, drop_previous)
 
 
 def _activation_offload(workload: Workload, tracker: MemoryTracker) -> Callable[[], contextlib.AbstractContextManager]:
@@ -260,6 +268,11 @@ def trace_step(
     Returns:
         The replayed trace.
     """
+    from llmem_plugin.litgpt import is_litgpt_model
+
+    if is_litgpt_model(model) and (wrap is not None or hooks is not None or offload):
+        raise UnsupportedError("a litgpt model is modelled on one GPU only, in litgpt's own loop. HINT: estimate the "
+                               "transformers model of the same architecture for distributed methods and offload")
     tracker = tracker if tracker is not None else MemoryTracker()
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
@@ -279,7 +292,13 @@ def trace_step(
     # A hand-written loop keeps the last micro-step's outputs (and the graph
     # its loss roots) until the next forward's outputs replace them.
     plain = workload.runner is Runner.PLAIN_LOOP
-    previous = None
+    # litgpt's fit() computes its loss from the `logits` it binds, so they live through backward
+    # under any runner; the plain loop also keeps them into the next micro-step.
+    held_through_backward = plain or is_litgpt_model(model)
+    # The last micro-step's outputs; `drop_previous` releases them where the loop rebinds its
+    # `logits`/`outputs` name: when the model returns, before a loss the loop computes itself.
+    previous: list = []
+    drop_previous = previous.clear
     offload_ctx = _activation_offload(workload, tracker)
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
@@ -329,12 +348,13 @@ def trace_step(
                             loss = loss / workload.grad_accum_steps
                         else:
                             with autocast_region(autocast_dtype):
-                                out = _forward(model, input_ids, labels, workload, extra)
+                                out = _forward(model, input_ids, labels, workload, extra, drop_previous)
                             if workload.outputs_to_fp32:  # Fabric: after its forward_context, before the loss
                                 out = _fabric_outputs(out)
                             loss = out["loss"] / workload.grad_accum_steps
-                            if plain:
-                                previous = out  # `outputs = model(...)`: the last step's outputs go now
+                            if held_through_backward:
+                                drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
+                                previous.append(out)
                             del out
                         # What the forward leaves alive is what backward needs.
                         tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
@@ -346,6 +366,8 @@ def trace_step(
                         tracker.set_phase(Phase.BACKWARD)
                         loss.backward()
                         tracker.backward_returned()
+                    if not plain:
+                        drop_previous()  # a step that keeps nothing into the next (litgpt under --runner torch)
                     del loss, input_ids, labels, extra
                     if reference is not None:
                         del ref_out
@@ -364,6 +386,6 @@ def trace_step(
                 if not lightning:
                     optimizer.zero_grad(set_to_none=True)
             tracker.set_phase(Phase.SETUP)
-            del previous  # the last outputs, released outside any phase's layers
+            drop_previous()  # the last outputs, released outside any phase's layers
         tracker.set_phase(Phase.SETUP)
     return tracker.result()

@@ -8,6 +8,8 @@
 #     replace the installed torch. Importing its booster and plugins needs only
 #     galore_torch besides the test extra. BUILD_EXT=0 (its setup.py default):
 #     no kernel is compiled;
+#   - litgpt 0.4.13 without its dependencies (below), whose own model class
+#     `llmem estimate --model litgpt:NAME` traces;
 #   - the stub CUDA device (stubcuda/setup.sh: a second venv with torch's CUDA
 #     build, installed --no-deps, and the C stand-ins).
 # Usage: tests/setup.sh [PYTHON]   (default: python)
@@ -18,4 +20,8 @@ PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
 "${PIP[@]}" -e ".[test]"
 BUILD_EXT=0 "${PIP[@]}" --no-deps "colossalai==0.5.0" "galore_torch==1.0"
+# litgpt 0.4.13 without its dependencies: it pins lightning==2.4.0.dev20240728 and numpy<2
+# (its METADATA), which a resolver would force; what its model, LoRA and utils modules import
+# (Lightning, transformers' tokenizers and hub client, PyYAML) the test extra brings.
+"${PIP[@]}" --no-deps "litgpt==0.4.13"
 stubcuda/setup.sh "$PY"

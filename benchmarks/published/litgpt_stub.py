@@ -70,15 +70,20 @@ SEQ_LEN = 512  # train.max_seq_length; the transcription's tokens per sample (me
 OPTIMIZER_STEPS = 2
 
 
-def load_litgpt(wheel: Path) -> types.ModuleType:
-    """litgpt's ``config``, ``model`` and ``lora`` modules from ``wheel``, without
-    executing its package ``__init__`` (which imports Lightning)."""
-    root = Path(tempfile.mkdtemp(prefix="litgpt-"))
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(root)
+def load_litgpt(source: Path) -> types.ModuleType:
+    """litgpt's ``config``, ``model`` and ``lora`` modules from a wheel or an
+    installed ``litgpt`` package directory, without executing its package
+    ``__init__`` (which imports Lightning)."""
+    if source.is_dir():
+        package = source
+    else:
+        root = Path(tempfile.mkdtemp(prefix="litgpt-"))
+        with zipfile.ZipFile(source) as z:
+            z.extractall(root)
+        package = root / "litgpt"
     spec = importlib.machinery.ModuleSpec("litgpt", None, is_package=True)
     pkg = importlib.util.module_from_spec(spec)
-    pkg.__path__ = [str(root / "litgpt")]
+    pkg.__path__ = [str(package)]
     sys.modules["litgpt"] = pkg
     utils = types.ModuleType("litgpt.utils")
     utils.find_multiple = lambda n, k: n if n % k == 0 else n + k - n % k
@@ -89,12 +94,38 @@ def load_litgpt(wheel: Path) -> types.ModuleType:
     return lora
 
 
+def chunked_cross_entropy(logits: list, targets, ignore_index: int = -100):
+    """litgpt 0.4.13 ``litgpt.utils.chunked_cross_entropy`` on a list of chunk
+    logits (the branch ``fit()`` takes), statement for statement: a function,
+    so its per-chunk reshapes (a copy for the sliced last chunk when the
+    micro-batch is above 1) are released when it returns, as in litgpt.
+    ``litgpt.utils`` itself imports Lightning, which the stub venv lacks."""
+    import torch
+
+    logit_chunks = [logit_chunk.reshape(-1, logit_chunk.size(-1)) for logit_chunk in logits]
+    target_chunks = [target_chunk.reshape(-1) for target_chunk in targets.split(logits[0].size(1), dim=1)]
+    loss_chunks = [
+        torch.nn.functional.cross_entropy(logit_chunk, target_chunk, ignore_index=ignore_index, reduction="none")
+        for logit_chunk, target_chunk in zip(logit_chunks, target_chunks)
+    ]
+    non_masked_elems = (targets != ignore_index).sum()
+    return torch.cat(loss_chunks).sum() / non_masked_elems.maximum(torch.ones_like(non_masked_elems))
+
+
 def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, dropout: float,
-            targets: tuple[str, ...]) -> dict:
+            targets: tuple[str, ...], *, seq_len: int = SEQ_LEN, config_file: str | None = None,
+            fresh_cache: bool = False) -> dict:
+    """litgpt's LoRA step for one configuration. ``config_file``: a litgpt
+    ``model_config.yaml`` instead of the config-table ``name``. ``fresh_cache``:
+    empty the allocator's cache once the weights are placed, so the step starts
+    from the state the estimate starts from (weights allocated, nothing else
+    cached); without it the cache keeps what building the model left, and
+    blocks the allocator does not split can count up to 1 MiB more each."""
     import torch
 
     flags = {f"lora_{t}": t in targets for t in _ALL}
-    config = lora.Config.from_name(name, lora_r=r, lora_alpha=alpha, lora_dropout=dropout, **flags)
+    kwargs = dict(lora_r=r, lora_alpha=alpha, lora_dropout=dropout, **flags)
+    config = lora.Config.from_file(config_file, **kwargs) if config_file else lora.Config.from_name(name, **kwargs)
     # fabric.init_module() under bf16-true: the model, LoRA parameters included, is created in bf16.
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
@@ -103,13 +134,17 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
     lora.mark_only_lora_as_trainable(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=2e-4, weight_decay=0.0, betas=(0.9, 0.95))
-    model.max_seq_length = SEQ_LEN
+    model.max_seq_length = seq_len
     torch.cuda.synchronize()
+    if fresh_cache:
+        torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     peaks = []
     for it in range(OPTIMIZER_STEPS * accum):
-        ids = torch.randint(0, 1000, (micro_batch, SEQ_LEN), device="cuda")
+        # fit(): `input_ids, targets = batch["input_ids"], batch["labels"]`, two tensors of the batch.
+        ids = torch.randint(0, 1000, (micro_batch, seq_len), device="cuda")
+        labels = ids.clone()
         # finetune/lora.py fit(): logits and loss stay bound until the next iteration rebinds them.
         logits = model(ids, lm_head_chunk_size=128)
         # Lightning 2.4's _FabricModule.forward (fabric/wrappers.py) passes the output through
@@ -118,14 +153,7 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
         # bitsandbytes.py): each bf16 logit chunk comes back as an fp32 copy.
         logits = [c.to(torch.get_default_dtype()) for c in logits]
         logits[-1] = logits[-1][..., :-1, :]
-        targets_ = ids[..., 1:]
-        # litgpt.utils.chunked_cross_entropy on a list of chunk logits: one cross-entropy per chunk.
-        chunks = [c.reshape(-1, c.size(-1)) for c in logits]
-        target_chunks = [t.reshape(-1) for t in targets_.split(logits[0].size(1), dim=1)]
-        losses = [torch.nn.functional.cross_entropy(c, t, ignore_index=-100, reduction="none")
-                  for c, t in zip(chunks, target_chunks)]
-        count = (targets_ != -100).sum()
-        loss = torch.cat(losses).sum() / count.maximum(torch.ones_like(count))
+        loss = chunked_cross_entropy(logits, labels[..., 1:])
         (loss / accum).backward()
         if (it + 1) % accum == 0:
             optimizer.step()
@@ -138,14 +166,14 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
     # whose reshape of the sliced view copies it. Validation batches are micro_batch_size samples.
     model.eval()
     with torch.no_grad():
-        val_ids = torch.randint(0, 1000, (micro_batch, SEQ_LEN), device="cuda")
+        val_ids = torch.randint(0, 1000, (micro_batch, seq_len), device="cuda")
         val_logits = model(val_ids).to(torch.get_default_dtype())
         flat = val_logits[..., :-1, :].reshape(-1, val_logits.size(-1))
         val_loss = torch.nn.functional.cross_entropy(flat, val_ids[..., 1:].reshape(-1), ignore_index=-100)
         del val_logits, flat, val_loss
     model.train()
     out = {
-        "config": name, "micro_batch_size": micro_batch, "grad_accum": accum, "seq_len": SEQ_LEN,
+        "config": config_file or name, "micro_batch_size": micro_batch, "grad_accum": accum, "seq_len": seq_len,
         "lora": {"r": r, "alpha": alpha, "dropout": dropout, "targets": list(targets)},
         "weights_bytes": weights,
         "step_max_memory_allocated": step_peak,
@@ -160,9 +188,13 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--wheel", type=Path, required=True, help="litgpt-0.4.13-py3-none-any.whl")
+    p.add_argument("--wheel", type=Path, required=True,
+                   help="litgpt-0.4.13-py3-none-any.whl, or an installed litgpt package directory")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default=None, help="comma-separated row ids")
+    p.add_argument("--case", default=None,
+                   help="instead of the rows, one JSON case: {config_file, micro_batch, accum, r, alpha, dropout, "
+                        "targets, seq_len}, run with a fresh cache after the weights (tests/stub/test_litgpt.py)")
     args = p.parse_args(argv)
     import torch
 
@@ -170,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device: run under stubcuda/run (see the module docstring)")
     torch.backends.cudnn.enabled = False  # the stub's cuDNN computes nothing; LoRAQKVLinear's conv1d then
     # runs PyTorch's own grouped convolution (what it allocates is transient, a few KiB at rank 8-32)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # on sm90 SDPA would pick cuDNN attention, which the stub cannot
+    # run; torch then chooses among flash, mem-efficient and math, as the estimate does with it off
     lora = load_litgpt(args.wheel)
+    if args.case:
+        c = json.loads(args.case)
+        row = run_row(lora, "", c["micro_batch"], c["accum"], c["r"], c["alpha"], c["dropout"], tuple(c["targets"]),
+                      seq_len=c["seq_len"], config_file=c["config_file"], fresh_cache=True)
+        args.out.write_text(json.dumps(row) + "\n")
+        return 0
     ids = args.only.split(",") if args.only else list(ROWS)
     unknown = [i for i in ids if i not in ROWS]
     if unknown:
