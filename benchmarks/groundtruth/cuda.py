@@ -179,7 +179,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
                                grad_accum_steps=wl.grad_accum_steps, max_len=wl.seq_len, steps=steps)
     # A hand-written loop keeps the last micro-step's outputs until the next forward's replace them.
     plain = wl.runner.value == "plain-loop"
-    previous = None
+    previous: list = []  # what the loop still binds of the last micro-step; cleared where it rebinds its name
     rec.reset()
     for step in range(1, steps + 1):
         rec.step_in_progress = step
@@ -197,9 +197,10 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
                 # As HF Trainer's compute_loss: forward and loss under autocast, backward outside.
                 held = [] if plain else None
                 with _autocast(dtype, device):
-                    loss = techniques.forward_loss(model, input_ids, labels, wl, extra, hold=held) / wl.grad_accum_steps
+                    loss = techniques.forward_loss(model, input_ids, labels, wl, extra, hold=held,
+                                                   release=previous.clear if plain else None) / wl.grad_accum_steps
                 if plain:
-                    previous = held  # noqa: F841 - alive until the next micro-step's outputs replace it
+                    previous[:] = held  # alive until the next micro-step's outputs replace it
                 loss.backward()
             del loss, input_ids, labels, ref_logps, extra
         optimizer.step()

@@ -262,7 +262,8 @@ def _causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True, hold: list | None = None):
+def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True, hold: list | None = None,
+                 release=None):
     """torchtune's chunked-output cross-entropy on ``model``'s last hidden states.
 
     torchtune 0.6.1: ``TransformerDecoder.chunked_output`` runs the output
@@ -294,6 +295,8 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True,
     if hold is not None:
         hold.extend(chunks)
     del hidden
+    if release is not None:  # the loop rebinds its `logits` here, before its own loss (litgpt's fit)
+        release()
     shifted = F.pad(labels[:, 1:], (0, 1), value=_IGNORE)
     # CEWithChunkedOutputLoss.forward counts the labelled tokens before the chunk loop.
     total_elements = (shifted != _IGNORE).sum()
@@ -305,7 +308,7 @@ def chunked_loss(model, input_ids, labels, num_chunks: int, upcast: bool = True,
     return total / total_elements
 
 
-def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = None):
+def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = None, release=None):
     """Cross-entropy on the model's logits in their own dtype (no ``.float()``).
 
     The model's forward without labels (``logits_to_keep=keep`` when
@@ -323,6 +326,8 @@ def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = 
     out = model(input_ids=input_ids, use_cache=False, **kwargs)
     if hold is not None:
         hold.append(out)
+    if release is not None:  # the loop rebinds its `outputs` here, before its own loss
+        release()
     logits = out.logits
     if keep:
         labels = labels[:, -keep:]
@@ -330,11 +335,15 @@ def no_upcast_loss(model, input_ids, labels, keep: int = 0, hold: list | None = 
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shifted.reshape(-1), ignore_index=_IGNORE)
 
 
-def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None, hold: list | None = None):
+def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = None, hold: list | None = None,
+                 release=None):
     """The forward with the workload's loss (call it inside the workload's autocast).
     ``extra``: the task's other inputs (a vision-language model's images).
     ``hold``: a list that gets what the model returned (its output, or the
     chunk logits), for a loop that keeps it (``runner="plain-loop"``).
+    ``release``: called once the model's outputs exist, where such a loop
+    rebinds its name for them (releasing the last micro-step's), before a
+    loss the loop computes itself.
 
     ``loss="hf"`` and ``"liger"`` are the model's own forward with labels (liger
     patched the forward in :func:`build_model`). ``logits_to_keep=k`` passes
@@ -348,9 +357,9 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
     if wl.loss is LossImpl.CHUNKED:
         if wl.logits_to_keep:
             raise ValueError("loss chunked with logits_to_keep is not a ground-truth path")
-        return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast, hold)
+        return chunked_loss(model, input_ids, labels, wl.loss_chunks, wl.loss_chunk_upcast, hold, release)
     if wl.loss is LossImpl.NO_UPCAST:
-        return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep, hold)
+        return no_upcast_loss(model, input_ids, labels, wl.logits_to_keep, hold, release)
     if hold is not None and (wl.loss is not LossImpl.HF or wl.logits_to_keep):
         raise ValueError(f"a plain loop with loss {wl.loss.value} (or logits_to_keep) is not a ground-truth path")
     if wl.loss is LossImpl.CCE:
@@ -359,6 +368,8 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
         out = model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
         if hold is not None:
             hold.append(out)
+        if release is not None:  # `outputs = model(...)`: the last step's outputs go
+            release()
         return out.loss
     if wl.loss is LossImpl.LIGER:
         raise ValueError("loss liger with logits_to_keep is not a ground-truth path")
