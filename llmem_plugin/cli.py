@@ -141,8 +141,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="target tokens per sequence of a seq2seq model (default: --seq-len)")
     g.add_argument("--batch-size", type=_BATCH, default=1, help="micro-batch size per GPU (default 1)")
     g.add_argument("--grad-accum", type=_GRAD_ACCUM, default=1, help="gradient accumulation steps (default 1)")
-    g.add_argument("--runner", default="torch", metavar="{torch,hf-trainer,lightning,plain-loop}",
-                   help="the training loop: torch (each step's outputs freed after backward; default), hf-trainer "
+    g.add_argument("--runner", default=None, metavar="{torch,hf-trainer,lightning,plain-loop}",
+                   help="the training loop: torch (each step's outputs freed after backward; default; plain-loop for a "
+                        "litgpt:NAME model), hf-trainer "
                         "(adds accelerate's fp32 outputs and gradient clipping), lightning (zero_grad between "
                         "forward and backward), plain-loop (a hand-written loop that keeps the last step's "
                         "outputs and loss until the next forward returns: litgpt, peft's benchmark)")
@@ -164,9 +165,10 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", default=None,
                    help="fp32, bf16-mixed, fp16-mixed or bf16 (default: bf16-mixed; bf16 for MoE models whose "
                         "experts run grouped_mm, which takes bf16 weights only; the choice is printed)")
-    g.add_argument("--optimizer", default="adamw",
+    g.add_argument("--optimizer", default=None,
                    help="adamw (foreach, default), adamw-fused, adamw-forloop, sgd, adafactor, and bitsandbytes' "
-                        "adamw8bit, paged-adamw or paged-adamw8bit")
+                        "adamw8bit, paged-adamw or paged-adamw8bit (the default for a quantized litgpt:NAME model, "
+                        "whose instantiate_bnb_optimizer makes it)")
     g.add_argument("--attn", default="auto",
                    help="attention implementation: auto (transformers' default: sdpa where supported), sdpa, eager "
                         "or flash_attention_2")
@@ -295,6 +297,28 @@ def _lora(args: argparse.Namespace):
     return lora
 
 
+def _litgpt_job(args: argparse.Namespace) -> bool:
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    return is_litgpt_source(getattr(args, "model", None))
+
+
+def _optimizer(args: argparse.Namespace) -> str:
+    """``--optimizer``, or its default: adamw; bitsandbytes' PagedAdamW for a quantized litgpt job
+    (litgpt/utils.py ``instantiate_bnb_optimizer`` replaces the configured AdamW with it)."""
+    if args.optimizer is not None:
+        return args.optimizer
+    return "paged-adamw" if _litgpt_job(args) and args.quantize is not None else "adamw"
+
+
+def _runner(args: argparse.Namespace) -> str:
+    """``--runner``, or its default: torch; litgpt's fit() loop (plain-loop) for a litgpt job."""
+    runner = getattr(args, "runner", None)
+    if runner is not None:
+        return runner
+    return "plain-loop" if _litgpt_job(args) else "torch"
+
+
 def _workload(args: argparse.Namespace):
     from llmem_plugin.workload import Workload
 
@@ -304,11 +328,11 @@ def _workload(args: argparse.Namespace):
         micro_batch_size=args.batch_size,
         grad_accum_steps=args.grad_accum,
         precision=args.precision,
-        optimizer=args.optimizer,
+        optimizer=_optimizer(args),
         grad_checkpointing=args.grad_checkpointing,
         lora=lora,
         attn_implementation=args.attn,
-        runner=getattr(args, "runner", "torch"),
+        runner=_runner(args),
         **_technique_fields(args),
     )
 
@@ -330,7 +354,8 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "double_quant": args.double_quant,
         "kbit_prepare": args.kbit_prepare or ("off" if lightning_bnb else None),
         "quantize_lm_head": args.quantize_lm_head or lightning_bnb,
-        "bnb_version": args.bnb_version,
+        # litgpt 0.4.13 pins bitsandbytes 0.42.0 (its "all" extra)
+        "bnb_version": args.bnb_version or ("0.42.0" if lightning_bnb else None),
         "quantized_from": args.quantized_from or ("fp16" if lightning_bnb else None),
         "loss": args.loss,
         "loss_chunks": 8 if args.loss_chunks is None else args.loss_chunks,
@@ -722,7 +747,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
     methods, tps = _csv(args.methods), _csv(args.tp, _TP)
     _choose_precision(args)
-    wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora=_lora(args),
+    wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=_optimizer(args), lora=_lora(args),
                   attn_implementation=args.attn, **_technique_fields(args))
     gpu, n = _plan_target(args)
     if n % args.nodes:

@@ -132,8 +132,13 @@ def unsupported(workload: Workload) -> str | None:
                     "modes run through Lightning's BitsandbytesPrecision). HINT: use --quantize nf4 or fp4")
         if not (workload.quantize_lm_head and workload.quantized_from == "fp16" and workload.kbit_prepare == "off"):
             return ("litgpt quantizes through Lightning's BitsandbytesPrecision, which converts every nn.Linear, the "
-                    "head included, from fp16 and runs no k-bit preparation. HINT: pass quantize_lm_head=True, "
-                    "quantized_from='fp16', kbit_prepare='off' (the CLI sets them for a litgpt:NAME model)")
+                    "head included, from fp16 and runs no k-bit preparation. HINT: pass --quantize-lm-head "
+                    "--quantized-from fp16 --kbit-prepare off (the CLI's defaults for a litgpt:NAME model; in the "
+                    "API quantize_lm_head=True, quantized_from='fp16', kbit_prepare='off')")
+        if workload.optimizer.value != "paged-adamw":
+            return (f"--optimizer {workload.optimizer.value} with a quantized litgpt model: litgpt's "
+                    "instantiate_bnb_optimizer (litgpt/utils.py) makes bitsandbytes' PagedAdamW. HINT: pass "
+                    "--optimizer paged-adamw (the CLI's default here)")
     if workload.grad_checkpointing:
         return ("--grad-checkpointing with a litgpt model is not modelled (litgpt's single-device scripts do not "
                 "checkpoint). HINT: drop --grad-checkpointing")
@@ -152,8 +157,10 @@ def unsupported(workload: Workload) -> str | None:
     for name in ("offload_activations", "reference_model", "task", "images", "target_len"):
         if getattr(workload, name) not in (None, False):
             return f"{name} with a litgpt model is not modelled. HINT: drop it"
-    if workload.load != "direct" or workload.freeze_vision:
+    if workload.load != "direct":
         return "--load with a litgpt model is not modelled. HINT: drop --load"
+    if workload.freeze_vision:
+        return "freeze_vision does not apply to a litgpt model (a text model). HINT: drop it"
     return None
 
 
@@ -256,7 +263,8 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     """One micro-step's forward and loss, as litgpt 0.4.13's ``fit()`` runs them
     under Fabric; returns what the loop binds (``logits``, ``loss``).
     ``drop_previous``: releases the last micro-step's ``logits`` and ``loss``
-    where ``fit()`` rebinds ``logits``, when the model returns."""
+    where ``fit()`` rebinds ``logits``: once Fabric's wrapper has returned the
+    cast output."""
     from litgpt.utils import chunked_cross_entropy
 
     lora = hasattr(model.config, "lora_r")
@@ -264,9 +272,11 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         logits = model(input_ids, lm_head_chunk_size=LM_HEAD_CHUNK)
     else:
         logits = model(input_ids)
+    # `logits = model(...)` through Fabric: _FabricModule.forward casts the output before it returns,
+    # and only then does the name let go of the last micro-step's logits.
+    logits = _fabric_cast(logits)
     if drop_previous is not None:
         drop_previous()
-    logits = _fabric_cast(logits)
     if lora:
         # finetune/lora.py: shift the targets such that output n predicts token n+1
         logits[-1] = logits[-1][..., :-1, :]

@@ -215,10 +215,10 @@ def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Te
         kwargs["logits_to_keep"] = keep
         labels = labels[:, -keep:]
     out = model(input_ids=input_ids, use_cache=False, **kwargs)
-    if drop_previous is not None:  # the loop's `outputs = model(...)`, before its own loss
-        drop_previous()
     if outputs_to_fp32:  # the loop's wrapper casts the returned logits before the loop's loss (Fabric)
         out["logits"] = out["logits"].to(torch.float32)
+    if drop_previous is not None:  # the loop's `outputs = model(...)` returns, before its own loss
+        drop_previous()
     logits = out["logits"]
     # ForCausalLMLoss (transformers loss/loss_utils.py) without `logits = logits.float()`:
     # labels padded with ignore_index and shifted, both flattened, mean over the kept labels.
@@ -307,12 +307,12 @@ def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits:
         output = self.get_output_embeddings()
         logits = [transform(output(chunk)) for chunk in hidden.chunk(num_chunks, dim=1)]
         del hidden
-        if keep_logits and drop_previous is not None:
-            drop_previous()
         if outputs_to_fp32:
             # Fabric converts the returned list into a new one, chunk by chunk; the 16-bit
             # chunks go when the old list does.
             logits = [c.to(torch.float32) for c in logits]
+        if keep_logits and drop_previous is not None:
+            drop_previous()  # the loop's `logits = model(...)` returns (the wrapper's cast included)
         # torchtune recipes (full_finetune_single_device.py _loss_step): labels
         # shifted left, a column of ignore_index appended (torch.hstack).
         ignore = torch.full((labels.shape[0], 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)

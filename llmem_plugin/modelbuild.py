@@ -314,6 +314,10 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
     from llmem_plugin.tasks import check_workload, model_task
 
     if isinstance(source, nn.Module):
+        if litgpt.is_litgpt_model(source):
+            raise UnsupportedError(f"a live litgpt {type(source).__name__} is not traced as a module (its loop and "
+                                   "options are checked only for a named config). HINT: pass the model as "
+                                   "litgpt:NAME or litgpt:DIR (the checkpoint directory) with the workload")
         task = model_task(source)
         if workload.task is not None and workload.task != task.value:
             raise ConfigError(f"task {workload.task!r} was given, but the module is a {type(source).__name__} "

@@ -812,6 +812,11 @@ def estimate_variable_length(
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
         raise ConfigError(f"steps must be an integer in 1..{MAX_STEPS}, got {steps!r}. HINT: pass --steps N")
     est._check_source(model)
+    from llmem_plugin.litgpt import is_litgpt_source
+
+    if is_litgpt_source(model):
+        raise UnsupportedError("--seq-lens with a litgpt model is not modelled (the derivation across lengths is "
+                               "checked on transformers' models). HINT: estimate the longest length with --seq-len")
     wl = est._workload_from(workload, {})
     check_supported("single", wl)
     target = est._resolve_gpu(gpu, gpu_memory)

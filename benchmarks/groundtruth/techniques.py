@@ -354,6 +354,9 @@ def forward_loss(model, input_ids, labels, wl: Workload, extra: dict | None = No
     Returns:
         The scalar loss.
     """
+    if wl.outputs_to_fp32:
+        raise ValueError("outputs_to_fp32 (Lightning Fabric's output cast) is not a ground-truth path here; "
+                         "benchmarks/published/litgpt_stub.py runs it in litgpt's own loop")
     if wl.loss is LossImpl.CHUNKED:
         if wl.logits_to_keep:
             raise ValueError("loss chunked with logits_to_keep is not a ground-truth path")

@@ -94,6 +94,18 @@ def load_litgpt(source: Path) -> types.ModuleType:
     return lora
 
 
+def fabric_forward(model, *args, **kwargs):
+    """``_FabricModule.forward`` under bf16-true: the module's output, every
+    floating tensor cast with ``.to(torch.get_default_dtype())``
+    (``convert_output``), the 16-bit originals released when it returns."""
+    import torch
+
+    output = model(*args, **kwargs)
+    if isinstance(output, list):
+        return [t.to(torch.get_default_dtype()) for t in output]
+    return output.to(torch.get_default_dtype())
+
+
 def chunked_cross_entropy(logits: list, targets, ignore_index: int = -100):
     """litgpt 0.4.13 ``litgpt.utils.chunked_cross_entropy`` on a list of chunk
     logits (the branch ``fit()`` takes), statement for statement: a function,
@@ -146,12 +158,12 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
         ids = torch.randint(0, 1000, (micro_batch, seq_len), device="cuda")
         labels = ids.clone()
         # finetune/lora.py fit(): logits and loss stay bound until the next iteration rebinds them.
-        logits = model(ids, lm_head_chunk_size=128)
         # Lightning 2.4's _FabricModule.forward (fabric/wrappers.py) passes the output through
         # precision.convert_output, which for bf16-true (HalfPrecision) and BitsandbytesPrecision alike is
         # `tensor.to(torch.get_default_dtype())` on every floating tensor (plugins/precision/half.py,
-        # bitsandbytes.py): each bf16 logit chunk comes back as an fp32 copy.
-        logits = [c.to(torch.get_default_dtype()) for c in logits]
+        # bitsandbytes.py): each bf16 logit chunk comes back as an fp32 copy, made inside the call, before
+        # `logits` lets go of the last micro-step's chunks.
+        logits = fabric_forward(model, ids, lm_head_chunk_size=128)
         logits[-1] = logits[-1][..., :-1, :]
         loss = chunked_cross_entropy(logits, labels[..., 1:])
         (loss / accum).backward()
@@ -167,7 +179,7 @@ def run_row(lora, name: str, micro_batch: int, accum: int, r: int, alpha: int, d
     model.eval()
     with torch.no_grad():
         val_ids = torch.randint(0, 1000, (micro_batch, seq_len), device="cuda")
-        val_logits = model(val_ids).to(torch.get_default_dtype())
+        val_logits = fabric_forward(model, val_ids)
         flat = val_logits[..., :-1, :].reshape(-1, val_logits.size(-1))
         val_loss = torch.nn.functional.cross_entropy(flat, val_ids[..., 1:].reshape(-1), ignore_index=-100)
         del val_logits, flat, val_loss

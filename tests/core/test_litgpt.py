@@ -39,6 +39,11 @@ def small_config(tmp_path, name: str = "Llama-3.2-1B", **extra) -> str:
     return f"litgpt:{path}"
 
 
+# Lightning's BitsandbytesPrecision as litgpt 0.4.13 runs it (llmem_plugin.litgpt._quantize).
+_LIGHTNING_BNB = {"quantize": "nf4", "kbit_prepare": "off", "quantize_lm_head": True, "quantized_from": "fp16",
+                  "bnb_version": "0.42.0", "optimizer": "paged-adamw"}
+
+
 def lora_wl(**kw) -> Workload:
     base = dict(seq_len=256, micro_batch_size=2, precision="bf16", runner="plain-loop", grad_accum_steps=2,
                 lora=LoraSpec(rank=8, alpha=16, dropout=0.05, target_modules=("query", "value"), adapter_dtype="base"))
@@ -61,7 +66,8 @@ def fake_and_real(source: str, wl: Workload):
     ("Llama-3.2-1B", lora_wl(lora=None, runner="torch")),  # full fine-tuning: finetune/full.py's loss
     ("Gemma-2-2b", lora_wl(lora=LoraSpec(rank=8, alpha=16, dropout=0.1, adapter_dtype="base",
                                          target_modules=("query", "key", "value", "projection", "mlp", "head")))),
-], ids=["llama-lora", "llama-full", "gemma2-lora-all"])
+    ("Llama-3.2-1B", lora_wl(**_LIGHTNING_BNB)),  # QLoRA: every nn.Linear 4-bit, bitsandbytes 0.42's matmul
+], ids=["llama-lora", "llama-full", "gemma2-lora-all", "llama-qlora"])
 def test_litgpt_fake_trace_equals_a_real_cpu_run(tmp_path, name, wl):
     fake, real = fake_and_real(small_config(tmp_path, name), wl)
     assert fake.peak_bytes == real.peak_bytes and fake.breakdown == real.breakdown
@@ -105,7 +111,9 @@ def test_hf_target_names_map_to_litgpts_switches():
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"quantize": "nf4", "kbit_prepare": "off"}, "--quantize with a litgpt model"),
+    ({"quantize": "int8"}, "--quantize int8 with a litgpt model"),
+    ({"quantize": "nf4", "kbit_prepare": "off"}, "BitsandbytesPrecision, which converts every nn.Linear"),
+    ({**_LIGHTNING_BNB, "optimizer": "adamw"}, "instantiate_bnb_optimizer"),
     ({"grad_checkpointing": True}, "--grad-checkpointing with a litgpt model"),
     ({"loss": "chunked"}, "litgpt's scripts compute their own"),
     ({"runner": "hf-trainer"}, "--runner hf-trainer with a litgpt model"),
@@ -151,3 +159,46 @@ def test_a_missing_litgpt_is_one_line_with_the_install_command(monkeypatch, tmp_
     monkeypatch.setattr(builtins, "__import__", no_litgpt)
     with pytest.raises(ConfigError, match="pip install litgpt==0.4.13 --no-deps"):
         modelbuild.build_model("litgpt:Llama-3.2-1B", lora_wl())
+
+
+def test_the_cli_estimates_a_litgpt_checkpoint_dir_with_litgpts_defaults(tmp_path, capsys):
+    """``--model litgpt:DIR`` reads the directory's model_config.yaml; the CLI gives litgpt's bf16-true,
+    bf16 adapters, and for QLoRA Lightning's quantization settings; the report names litgpt's loss."""
+    import json
+
+    from ..cli._run import run
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_config.yaml").write_text(open(small_config(tmp_path).removeprefix("litgpt:")).read())
+    argv = ["estimate", "--model", f"litgpt:{ckpt}", "--seq-len", "256", "--lora-rank", "8", "--runner", "plain-loop"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "litgpt's chunked_cross_entropy on the 128-token head chunks" in " ".join(out.split())
+    wl = json.loads(run(capsys, *argv, "--quantize", "nf4", "--json")[1])["workload"]
+    assert (wl["precision"], wl["lora"]["adapter_dtype"]) == ("bf16", "base")
+    assert (wl["quantize_lm_head"], wl["quantized_from"], wl["kbit_prepare"]) == (True, "fp16", "off")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--model", "litgpt:No-Such-Model"], "not a litgpt config name"),
+    (["--model", "litgpt:Llama-3.2-1B", "--method", "ddp", "--gpus", "2"], "one GPU only"),
+])
+def test_the_cli_refuses_litgpt_mistakes_with_exit_2_and_one_line(capsys, argv, match):
+    from ..cli._run import run
+
+    code, out, err = run(capsys, "estimate", *argv)
+    errors = [line for line in err.splitlines() if line.startswith("llmem: error:")]
+    assert code == 2 and len(errors) == 1 and match in errors[0] and "Traceback" not in err, err
+
+
+def test_lightnings_quantization_makes_every_linear_4bit_the_head_included(tmp_path):
+    """BitsandbytesPrecision replaces torch.nn.Linear inside init_module: each block's fused qkv, attention
+    projection, the three MLP projections (LLaMAMLP fc_1, fc_2, proj) and the LoRA head's linear."""
+    from llmem_plugin.quant import Linear4bitStandIn
+
+    model = modelbuild.build_model(small_config(tmp_path), lora_wl(**_LIGHTNING_BNB), device="meta")
+    quantized = [n for n, m in model.named_modules() if isinstance(m, Linear4bitStandIn)]
+    assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert len(quantized) == SMALL["n_layer"] * 5 + 1 and "lm_head.linear" in quantized
+    assert all(m.quant_dtype == torch.float16 for m in model.modules() if isinstance(m, Linear4bitStandIn))
