@@ -116,7 +116,9 @@ _STEPS = _int_arg("--steps", 1, 5000, "steps replayed; llmem_plugin.varlen.MAX_S
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and batch")
-    g.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
+    g.add_argument("--model", required=True,
+                   help="catalog name, config.json path, or cached Hub id; litgpt:NAME or litgpt:DIR for litgpt's "
+                        "own model class and finetune loop (one GPU; docs/models.md)")
     g.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
     g.add_argument("--seq-lens", default=None, metavar="LENGTHS",
                    help="variable-length batches: sample lengths as a file (one per line, a JSON list, or JSONL "
@@ -190,8 +192,8 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "returns before the cast to the compute dtype; default: the compute dtype, as transformers' "
                         "recipe loads in it; Lightning's BitsandbytesPrecision quantizes from fp16)")
     g.add_argument("--bnb-version", default=None, metavar="X.Y.Z",
-                   help="bitsandbytes release the job runs (default: 0.50.2, the newest read; the report names "
-                        "it); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
+                   help="bitsandbytes release the job runs (default: 0.50.2, the newest read; 0.42.0, litgpt "
+                        "0.4.13's pin, for a litgpt:NAME model; the report names it); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
                         "before 0.50.0 every training matmul dequantizes its weight")
     g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
                                           "path assumed (docs/techniques/loss.md)")

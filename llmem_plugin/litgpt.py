@@ -41,8 +41,9 @@ preparation, each layer's matmul as the given bitsandbytes version runs it
 (litgpt 0.4.13 pins 0.42.0). What is not modelled is refused in one line
 (:func:`unsupported`): int8, gradient checkpointing,
 multi-GPU methods, fast mode, the loss paths and attention switches of
-transformers' models. litgpt must be importable (``pip install litgpt==0.4.13
---no-deps``; its package needs Lightning, which the adapters' extra brings).
+transformers' models. litgpt must be importable: litgpt 0.4.13 installed
+without its pinned dependencies (pip's no-deps option, as tests/setup.sh
+does); its package needs Lightning, which the adapters' extra brings.
 
 Known limitations:
     * ``LoRAQKVLinear`` runs a grouped ``conv1d``; on a GPU with cuDNN its
@@ -104,7 +105,8 @@ def _import():
         import litgpt.utils
     except ImportError as e:
         raise ConfigError(f"model source 'litgpt:...' needs litgpt, which cannot be imported ({e}). HINT: pip install "
-                          "litgpt==0.4.13 --no-deps (and lightning), or pass a transformers model") from None
+                          "litgpt==0.4.13 without its pinned dependencies (pip's no-deps option; Lightning installed), "
+                          "or pass a transformers model") from None
     return litgpt
 
 

@@ -12,16 +12,15 @@ import importlib
 import pytest
 import torch
 import yaml
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmem_plugin import litgpt as lg
 from llmem_plugin import modelbuild
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.estimate import vocab_size_of
-from llmem_plugin.step import micro_mark, trace_step
+from llmem_plugin.step import micro_mark
 from llmem_plugin.tracker import round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
+from .test_fake_equals_real import fake_and_real  # a litgpt:... source builds like a catalog config
 from .test_plain_loop import _live_at
 
 litgpt_config = pytest.importorskip("litgpt.config")
@@ -48,17 +47,6 @@ def lora_wl(**kw) -> Workload:
     base = dict(seq_len=256, micro_batch_size=2, precision="bf16", runner="plain-loop", grad_accum_steps=2,
                 lora=LoraSpec(rank=8, alpha=16, dropout=0.05, target_modules=("query", "value"), adapter_dtype="base"))
     return Workload(**{**base, **kw})
-
-
-def fake_and_real(source: str, wl: Workload):
-    fake_model = modelbuild.build_model(source, wl, device="meta")
-    fake_mode = FakeTensorMode()
-    modelbuild.fakeify(fake_model, fake_mode)
-    fake = trace_step(fake_model, wl, vocab_size=vocab_size_of(fake_model), fake_mode=fake_mode)
-    torch.manual_seed(0)
-    real_model = modelbuild.build_model(source, wl, device="cpu")
-    real = trace_step(real_model, wl, vocab_size=vocab_size_of(real_model))
-    return fake, real
 
 
 @pytest.mark.parametrize(("name", "wl"), [
@@ -157,7 +145,7 @@ def test_a_missing_litgpt_is_one_line_with_the_install_command(monkeypatch, tmp_
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_litgpt)
-    with pytest.raises(ConfigError, match="pip install litgpt==0.4.13 --no-deps"):
+    with pytest.raises(ConfigError, match="pip install litgpt==0.4.13 without its pinned"):
         modelbuild.build_model("litgpt:Llama-3.2-1B", lora_wl())
 
 
