@@ -193,8 +193,9 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "recipe loads in it; Lightning's BitsandbytesPrecision quantizes from fp16)")
     g.add_argument("--bnb-version", default=None, metavar="X.Y.Z",
                    help="bitsandbytes release the job runs (default: 0.50.2, the newest read; 0.42.0, litgpt "
-                        "0.4.13's pin, for a litgpt:NAME model; the report names it); before 0.43.2 each 4-bit matmul keeps its input until the loss is freed, "
-                        "before 0.50.0 every training matmul dequantizes its weight")
+                        "0.4.13's pin, for a litgpt:NAME model; the report names it); before 0.43.2 each 4-bit "
+                        "matmul keeps its input until the loss is freed, before 0.50.0 every training matmul "
+                        "dequantizes its weight")
     g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
                                           "path assumed (docs/techniques/loss.md)")
     g.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked,cce}",
@@ -262,9 +263,7 @@ def _gpu(args: argparse.Namespace):
 def _default_adapter_dtype(args: argparse.Namespace) -> str:
     """peft's fp32 adapters, except under torchtune's QLoRA (``--quantize nf4-torchao``), whose
     LoRALinear is built in the model's dtype (recipes' ``set_default_dtype`` around instantiate)."""
-    from llmem_plugin.litgpt import is_litgpt_source
-
-    if getattr(args, "quantize", None) == "nf4-torchao" or is_litgpt_source(getattr(args, "model", None)):
+    if getattr(args, "quantize", None) == "nf4-torchao" or _litgpt_job(args):
         return "base"  # litgpt too: it creates its adapters inside fabric.init_module()
     return "fp32"
 
@@ -346,11 +345,9 @@ def _technique_fields(args: argparse.Namespace) -> dict:
 
         raise ConfigError("--bnb-version applies to quantized base weights. HINT: add --quantize nf4 (QLoRA), "
                           "or drop --bnb-version")
-    from llmem_plugin.litgpt import is_litgpt_source
-
     # litgpt quantizes through Lightning's BitsandbytesPrecision: every nn.Linear, the head included,
     # from fp16, and no k-bit preparation (llmem_plugin.litgpt); those are its defaults here.
-    lightning_bnb = args.quantize in ("nf4", "fp4") and is_litgpt_source(getattr(args, "model", None))
+    lightning_bnb = args.quantize in ("nf4", "fp4") and _litgpt_job(args)
     return {
         "quantize": args.quantize,
         "double_quant": args.double_quant,

@@ -269,6 +269,8 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     cast output."""
     from litgpt.utils import chunked_cross_entropy
 
+    from llmem_plugin.loss import fabric_cast
+
     lora = hasattr(model.config, "lora_r")
     if lora:
         logits = model(input_ids, lm_head_chunk_size=LM_HEAD_CHUNK)
@@ -276,7 +278,7 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         logits = model(input_ids)
     # `logits = model(...)` through Fabric: _FabricModule.forward casts the output before it returns,
     # and only then does the name let go of the last micro-step's logits.
-    logits = _fabric_cast(logits)
+    logits = fabric_cast(logits)
     if drop_previous is not None:
         drop_previous()
     if lora:
@@ -299,11 +301,3 @@ def loss_path(workload: Workload) -> str:
             else "; its logits live through backward, nothing into the next step (pass --runner plain-loop for "
                  "fit()'s loop, which keeps its logits and loss)")
     return f"{how}, on Lightning Fabric's fp32 copies of the logits{kept}"
-
-
-def _fabric_cast(out):
-    """``_FabricModule.forward``'s ``precision.convert_output``: every floating
-    tensor to the default dtype (fp32), a list into a new list."""
-    if isinstance(out, torch.Tensor):
-        return out.to(torch.get_default_dtype()) if out.is_floating_point() else out
-    return [_fabric_cast(t) for t in out]

@@ -74,7 +74,7 @@ from llmem_plugin._pause import untracked
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.workload import LossImpl, Runner, Workload
 
-__all__ = ["IGNORE_INDEX", "LIGER_ARCHS", "forward_with_loss", "liger_chunk_size",
+__all__ = ["IGNORE_INDEX", "LIGER_ARCHS", "fabric_cast", "forward_with_loss", "liger_chunk_size",
            "liger_fused_linear_cross_entropy", "logit_transform", "unsupported"]
 
 # transformers loss_utils.py ForCausalLMLoss and torchtune CEWithChunkedOutputLoss
@@ -117,6 +117,23 @@ def unsupported(method: str, workload: Workload) -> str | None:
                 "lm_head's weight around its forward. HINT: use --loss hf with this method, or one of "
                 f"{', '.join(sorted(_REPLICATED_METHODS - {'single'}))}")
     return None
+
+
+def fabric_cast(value):
+    """Lightning Fabric's ``precision.convert_output`` (``_FabricModule.forward``,
+    Lightning 2.1-2.4 ``fabric/plugins/precision/half.py``, ``bitsandbytes.py``:
+    ``apply_to_collection(..., _convert_fp_tensor, dst_type=torch.get_default_dtype())``):
+    every floating tensor, nested in lists, tuples and mappings, becomes
+    ``tensor.to(torch.float32)`` (itself when already fp32), in a new container of
+    the same type; the 16-bit originals go with the old one
+    (:attr:`Workload.outputs_to_fp32`, :mod:`llmem_plugin.litgpt`)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return type(value)(**{k: fabric_cast(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(fabric_cast(v) for v in value)
+    return value
 
 
 def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -216,7 +233,7 @@ def _no_upcast(model: nn.Module, causal_lm: PreTrainedModel, input_ids: torch.Te
         labels = labels[:, -keep:]
     out = model(input_ids=input_ids, use_cache=False, **kwargs)
     if outputs_to_fp32:  # the loop's wrapper casts the returned logits before the loop's loss (Fabric)
-        out["logits"] = out["logits"].to(torch.float32)
+        out["logits"] = fabric_cast(out["logits"])
     if drop_previous is not None:  # the loop's `outputs = model(...)` returns, before its own loss
         drop_previous()
     logits = out["logits"]
@@ -307,10 +324,8 @@ def _chunked_head(num_chunks: int, upcast: bool = True, transform=lambda logits:
         output = self.get_output_embeddings()
         logits = [transform(output(chunk)) for chunk in hidden.chunk(num_chunks, dim=1)]
         del hidden
-        if outputs_to_fp32:
-            # Fabric converts the returned list into a new one, chunk by chunk; the 16-bit
-            # chunks go when the old list does.
-            logits = [c.to(torch.float32) for c in logits]
+        if outputs_to_fp32:  # the wrapper's cast of the returned chunks, before the loop's loss
+            logits = fabric_cast(logits)
         if keep_logits and drop_previous is not None:
             drop_previous()  # the loop's `logits = model(...)` returns (the wrapper's cast included)
         # torchtune recipes (full_finetune_single_device.py _loss_step): labels

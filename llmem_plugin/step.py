@@ -69,25 +69,6 @@ def _outputs_to_fp32(out):
     return type(out)(**converted)
 
 
-def _fabric_outputs(out):
-    """Lightning Fabric's ``precision.convert_output`` on a model output
-    (``apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
-    dst_type=torch.get_default_dtype())``, Lightning 2.4
-    ``fabric/plugins/precision/half.py``): every floating tensor, nested in
-    lists and tuples too, becomes ``tensor.to(torch.float32)`` (itself when
-    already fp32), in a new output of the same type; the 16-bit originals are
-    released with the old one."""
-
-    def convert(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(torch.float32) if v.is_floating_point() else v
-        if isinstance(v, (list, tuple)):
-            return type(v)(convert(x) for x in v)
-        return v
-
-    return type(out)(**{k: convert(v) for k, v in out.items()})
-
-
 def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, workload: Workload,
              extra: dict[str, torch.Tensor] | None = None, drop_previous: Callable[[], None] | None = None):
     """The model's forward with its loss, as the workload computes it; returns
@@ -350,7 +331,9 @@ def trace_step(
                             with autocast_region(autocast_dtype):
                                 out = _forward(model, input_ids, labels, workload, extra, drop_previous)
                             if workload.outputs_to_fp32:  # Fabric: after its forward_context, before the loss
-                                out = _fabric_outputs(out)
+                                from llmem_plugin.loss import fabric_cast
+
+                                out = fabric_cast(out)
                             loss = out["loss"] / workload.grad_accum_steps
                             if held_through_backward:
                                 drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
