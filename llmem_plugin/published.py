@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from llmem_plugin.errors import ConfigError, LLMemError
@@ -94,6 +95,12 @@ def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]
                 _workload(row["workload"])
             except TypeError as e:  # an unknown Workload field
                 raise ConfigError(f"{n}: workload {e}. HINT: the fields of llmem_plugin.workload.Workload") from None
+            if row.get("seq_lens") is not None:  # batches of varying length: the lengths file beside the set
+                lengths = p.parent / str(row["seq_lens"])
+                if not isinstance(row["seq_lens"], str) or not lengths.is_file():
+                    raise ConfigError(f"{n}: seq_lens {row['seq_lens']!r} is not a file beside {p.name}. HINT: a "
+                                      "path relative to the set's folder, one sample length per line")
+                row = {**row, "seq_lens": str(lengths)}
         if not isinstance(row["source"], dict) or not row["source"].get("url") or not row["source"].get("quote"):
             raise ConfigError(f"{n}: source needs url and quote")
         rows.append(row)
@@ -130,7 +137,15 @@ def _predict(row: dict[str, Any]) -> int:
         source = row["model"]
     else:
         source = catalog.load_config(row["model"], row.get("config_overrides") or None)
-    est = estimate(source, _workload(row["workload"]), fast=True, gpu=row.get("gpu") or "h100-sxm")
+    gpu = row.get("gpu") or "h100-sxm"
+    if row.get("seq_lens") is not None:  # a run of varying lengths replayed until reserved settles
+        from llmem_plugin.varlen import estimate_variable_length
+
+        v = estimate_variable_length(source, _workload(row["workload"]), row["seq_lens"], fast=True, gpu=gpu)
+        est = SimpleNamespace(peak_allocated_bytes=v.peak_allocated_bytes, peak_reserved_bytes=v.peak_reserved_bytes,
+                              device_total_bytes=v.device_total_bytes)
+    else:
+        est = estimate(source, _workload(row["workload"]), fast=True, gpu=gpu)
     metric = row["metric"]
     if metric == "allocated":
         return est.peak_allocated_bytes

@@ -32,6 +32,7 @@ HF Trainer's default train sampler is a ``RandomSampler``.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import importlib
 import itertools
@@ -52,8 +53,10 @@ __all__ = ["GRID", "Lengths", "VarLenEstimate", "estimate_variable_length", "par
 GRID = 128
 _FINE = 32  # the grid below 128 tokens: mem-efficient attention pads to 32
 _MAX_LENGTH_VALUES = 10_000_000
-DEFAULT_STEPS_MIN = 200  # the shortest run replayed when N is not given
-STEADY_WINDOW = 100  # reserved unchanged over this many steps: the steady state
+# The replay's stopping rule counts micro-batches, the shapes the allocator sees (with gradient
+# accumulation an optimizer step holds many): at least this many replayed when N is not given,
+DEFAULT_STEPS_MIN = 200
+STEADY_WINDOW = 100  # and reserved unchanged over the last this many: the steady state
 MAX_STEPS = 5000
 
 
@@ -296,6 +299,9 @@ class Derivation:
         exact: Per event, True when the quadratic is exact at every length,
             False when it is evaluated at the length rounded up to ``unit``.
         unit: The grid step of the lengths fitted (128, or 32 below 128 tokens).
+        steps: Below 128 tokens, each 32-token grid length's traced sizes:
+            there an event the quadratic does not give exactly takes its
+            size at the grid length at or above (see :func:`derive_fine`).
         escapes: Allocations that outlive their segment (gradients made in a
             micro-step and freed by the optimizer, optimizer states), as
             (segment role, ordinal): what a later segment's free refers to,
@@ -310,6 +316,7 @@ class Derivation:
     exact: list[bool]
     unit: int = GRID
     escapes: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    steps: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         frees_at = {}
@@ -325,6 +332,9 @@ class Derivation:
 
     def sizes(self, s: int) -> list[int]:
         up = -(-s // self.unit) * self.unit
+        if self.steps is not None:
+            row = self.steps[up]
+            return [_at(c, s) if e else row[i] for i, (c, e) in enumerate(zip(self.coefs, self.exact))]
         return [_at(c, s if e else up) for c, e in zip(self.coefs, self.exact)]
 
     @property
@@ -367,6 +377,44 @@ def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, u
         coefs.append(coef)
     return Derivation((*grid, check), [e[0] for e in first.events], [e[1] for e in first.events], first.bounds,
                       coefs, exact, unit=unit)
+
+
+def derive_fine(traced: dict[int, _Traced], pts: list[int], checks: tuple[int, ...]) -> Derivation:
+    """Below 128 tokens: sizes from the 32-token grid traces ``pts`` themselves.
+
+    The trace records sizes in the allocator's 512-byte blocks, and on a
+    32-token grid a small tensor's rounded size (4 bytes a token, say) is a
+    step function no quadratic through three grid lengths gives. An event is
+    exact when the quadratic reproduces every grid length and every off-grid
+    check; any other takes its traced size at the grid length at or above,
+    which each check confirms is never below the true size.
+
+    Raises:
+        UnsupportedError: The traces' structures differ, or a check finds an
+            event larger than at the grid length above it.
+    """
+    first = traced[pts[0]]
+    for s in (*pts[1:], *checks):
+        if traced[s].signature != first.signature:
+            raise UnsupportedError(
+                f"the step's allocations at {s} tokens differ in structure from those at {pts[0]} tokens, which "
+                "the derivation found alike (a kernel choice that depends on the length's alignment). HINT: "
+                "estimate the longest length with --seq-len alone")
+    g = (pts[0], pts[len(pts) // 2], pts[-1])
+    steps = {s: [e[2] for e in traced[s].events] for s in pts}
+    coefs, exact = [], []
+    for i in range(len(first.events)):
+        coef = _fit([(s, traced[s].events[i][2]) for s in g])
+        exact.append(all(_at(coef, s) == traced[s].events[i][2] for s in (*pts, *checks)))
+        for c in checks:
+            if not exact[-1] and steps[-(-c // _FINE) * _FINE][i] < traced[c].events[i][2]:
+                raise UnsupportedError(
+                    f"allocation event {i} of the step is larger at {c} tokens than at the grid length above "
+                    "(a size that shrinks as the length grows). HINT: estimate the longest length with --seq-len "
+                    "alone")
+        coefs.append(coef)
+    return Derivation((*pts, *checks), [e[0] for e in first.events], [e[1] for e in first.events], first.bounds,
+                      coefs, exact, unit=_FINE, steps=steps)
 
 
 _MAX_EXACT_TRACES = 48  # lengths traced one by one in regimes too short for a fit
@@ -477,29 +525,49 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
 
     if low < grid[0]:  # below the finest grid: each length as traced
         exact(low, grid[0] - 1)
+
+    def fit(first: int, last: int, pts: list[int], at_low_end: bool, at_high_end: bool) -> None:
+        # A regime at either end of the range may continue past it: grid lengths there serve its fit.
+        while len(pts) < 3 and at_high_end and sig(pts[-1] + GRID) == sig(pts[0]):
+            pts.append(pts[-1] + GRID)
+        step = _FINE if pts[0] <= GRID else GRID
+        while len(pts) < 3 and at_low_end and pts[0] - step >= _FINE and sig(pts[0] - step) == sig(pts[-1]):
+            pts.insert(0, pts[0] - step)
+        if len(pts) < 3:
+            exact(first, last)
+            return
+        try:
+            if pts[0] < GRID:  # the 32-token grid: each length's round-up must be a grid length traced
+                pts = list(range(pts[0], -(-last // _FINE) * _FINE + 1, _FINE))
+                while len(pts) < 3 and sig(pts[-1] + _FINE) == sig(pts[0]):  # a regime of one or two grid lengths
+                    pts.append(pts[-1] + _FINE)
+                if len(pts) < 3 or any(sig(x) != sig(pts[0]) for x in pts):
+                    raise UnsupportedError("a 32-token grid length in the regime has another structure")
+                checks = (pts[0] + _FINE // 2 + 1, pts[-2] + _FINE // 2 + 3)
+                der = derive_fine({s: t(s) for s in (*pts, *checks)}, pts, checks)
+            else:
+                g = (pts[0], pts[len(pts) // 2], pts[-1])
+                check = pts[0] + GRID // 2 + 1
+                der = derive({s: t(s) for s in (*g, check)}, g, check, GRID)
+            regimes.append((first, last, der))
+        except UnsupportedError:  # a size no quadratic bounds (a kernel's launch arithmetic)
+            if len({s for s in needed if first <= s <= last}) > _MAX_EXACT_TRACES:
+                raise
+            exact(first, last)
+
     for k, (a, b) in enumerate(runs):
         first = firsts[k]
         last = firsts[k + 1] - 1 if k + 1 < len(runs) else high
         pts = grid[a: b + 1]
-        # A regime at either end of the range may continue past it: grid lengths there serve its fit.
-        while len(pts) < 3 and k == len(runs) - 1 and sig(pts[-1] + GRID) == sig(pts[0]):
-            pts.append(pts[-1] + GRID)
-        step = _FINE if pts[0] <= GRID else GRID
-        while len(pts) < 3 and k == 0 and pts[0] - step >= _FINE and sig(pts[0] - step) == sig(pts[-1]):
-            pts.insert(0, pts[0] - step)
-        if len(pts) >= 3:
-            g = (pts[0], pts[len(pts) // 2], pts[-1])
-            unit = GRID if all(x % GRID == 0 for x in g) else _FINE
-            check = pts[0] + unit // 2 + 1
-            try:
-                regimes.append((first, last, derive({s: t(s) for s in (*g, check)}, g, check, unit)))
-            except UnsupportedError as e:  # a size no quadratic bounds (a kernel's launch arithmetic)
-                if len({s for s in needed if first <= s <= last}) > _MAX_EXACT_TRACES:
-                    raise
-                del e
-                exact(first, last)
+        fine = [x for x in pts if x < GRID]
+        if fine and len(fine) < len(pts) and first < GRID <= last:
+            # One structure across 128 tokens: a size padded to 128 inside a kernel (flash attention's
+            # softmax_lse) is constant below 128 and a step function above it, which no quadratic through
+            # 32-token and 128-token grid lengths together bounds; fit each side on its own grid.
+            fit(first, GRID - 1, fine, k == 0, False)
+            fit(GRID, last, [x for x in pts if x >= GRID], False, k == len(runs) - 1)
         else:
-            exact(first, last)
+            fit(first, last, list(pts), k == 0, k == len(runs) - 1)
     return Piecewise(regimes, len(cache))
 
 
@@ -705,8 +773,9 @@ def _simulate(model: Piecewise, plan: list[list[int]], config: Any, capacity: in
               settle: bool) -> _Run:
     """Replay ``plan`` through one simulated allocator, step by step.
 
-    With ``settle``, stop once at least :data:`DEFAULT_STEPS_MIN` steps ran
-    and reserved memory has not grown for :data:`STEADY_WINDOW` steps.
+    With ``settle``, stop at the end of a step once at least
+    :data:`DEFAULT_STEPS_MIN` micro-batches ran and reserved memory has not
+    grown over the last :data:`STEADY_WINDOW` micro-batches.
     """
     from llmem_plugin.allocator import CachingAllocator, SimulatedOOM
 
@@ -731,13 +800,17 @@ def _simulate(model: Piecewise, plan: list[list[int]], config: Any, capacity: in
                     alloc.free(h)
         return peak
 
+    done: list[int] = []  # micro-batches replayed by the end of each step
     try:
         feed(c.setup(plan[0][0]))
         for n, lengths in enumerate(plan):
             step_alloc.append(feed(c.step(n, lengths)))
             step_res.append(st.peak_reserved)
-            if settle and n + 1 >= DEFAULT_STEPS_MIN and step_res[-1] == step_res[max(n - STEADY_WINDOW, 0)]:
-                break
+            done.append((done[-1] if done else 0) + len(lengths))
+            if settle and done[-1] >= DEFAULT_STEPS_MIN:
+                back = max(bisect.bisect_right(done, done[-1] - STEADY_WINDOW) - 1, 0)
+                if step_res[-1] == step_res[back]:
+                    break
     except SimulatedOOM:
         oom = True
     return _Run(step_alloc, step_res, st.peak_allocated, st.peak_reserved, st.num_alloc_retries, oom)
@@ -793,8 +866,9 @@ def estimate_variable_length(
             truncation length (the longest micro-batch).
         lengths: A :class:`Lengths` or its spelling (:func:`parse_lengths`).
         steps: Optimizer steps to replay; None: until reserved memory has not
-            grown for :data:`STEADY_WINDOW` steps (at least
-            :data:`DEFAULT_STEPS_MIN`, at most :data:`MAX_STEPS`).
+            grown over :data:`STEADY_WINDOW` micro-batches (after at least
+            :data:`DEFAULT_STEPS_MIN` micro-batches, at most :data:`MAX_STEPS`
+            optimizer steps).
         seed: Seed of the sampler.
 
     Raises:
