@@ -923,6 +923,10 @@ def _validate_published(args: argparse.Namespace) -> int:
                 table.add_row(r["id"], f"{r['measured'] / 2**30:.2f}", f"{r['predicted'] / 2**30:.2f}",
                               f"{r['error_pct']:+.1f}%")
         console.print(table)
+    pooled = result["reserved_pooled"]
+    if pooled:
+        console.print(f"reserved memory, both metrics: {pooled['rows']} rows, mean |err| {pooled['mean_abs_pct']:.1f}%, "
+                      f"mean signed {pooled['mean_signed_pct']:+.1f}%, max |err| {pooled['max_abs_pct']:.1f}%")
     refused = [r for r in result["rows"] if r["status"] == "modelled" and r["error"]]
     for r in refused:
         console.print(f"refused: {r['id']}: {r['error']}")

@@ -10,7 +10,7 @@ import pytest
 from llmem_plugin import catalog
 from llmem_plugin.cli import main
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.published import METRICS, check_published, default_path, load_published
+from llmem_plugin.published import METRICS, check_published, default_path, load_published, validate_published
 
 _UNIT = {"GB": 10**9, "GiB": 2**30, "MiB": 2**20}
 
@@ -58,6 +58,30 @@ def test_units_the_signed_error_and_the_start_point_of_reserved_above_init():
     reserved = check_published(_row(metric="reserved"))
     above = check_published(_row(metric="reserved_above_init", init_reserved_bytes=2 * 2**20))
     assert reserved.predicted - above.predicted == 2 * 2**20
+    result = validate_published([_row(metric="reserved"), _row(metric="reserved_above_init", init_reserved_bytes=0,
+                                                                value=2.0)])
+    pooled = result["reserved_pooled"]  # both reserved metrics together: the same prediction against 1 and 2 GB
+    assert pooled["rows"] == 2
+    assert pooled["mean_abs_pct"] == pytest.approx((abs(reserved.error_pct) + abs(reserved.predicted / 2e7 - 100)) / 2)
+
+
+def test_a_row_with_a_lengths_file_replays_a_run_of_those_lengths(tmp_path):
+    (tmp_path / "lengths").mkdir()
+    (tmp_path / "lengths" / "one.txt").write_text("64\n" * 5)
+    fixed = _row(metric="reserved")
+    path = tmp_path / "pub.jsonl"
+    path.write_text(json.dumps({**fixed, "seq_lens": "lengths/one.txt"}) + "\n")
+    row = load_published(path)[0]
+    assert row["seq_lens"] == str(tmp_path / "lengths" / "one.txt")  # resolved beside the set
+    # Every batch the same length: the run replays as the fixed-shape estimate (tests/core/test_varlen.py).
+    assert check_published(row).predicted == check_published(fixed).predicted
+    # Batches of 128 of the 512 tokens a sample may hold: the activations of 128-token steps.
+    (tmp_path / "lengths" / "short.txt").write_text("128\n")
+    long = _row(workload={"seq_len": 512, "micro_batch_size": 4, "precision": "bf16"})
+    short = _row(workload={"seq_len": 128, "micro_batch_size": 4, "precision": "bf16"})
+    path.write_text(json.dumps({**long, "seq_lens": "lengths/short.txt"}) + "\n")
+    assert check_published(load_published(path)[0]).predicted == check_published(short).predicted
+    assert check_published(short).predicted < check_published(long).predicted
 
 
 def test_cli_published_on_a_small_file(tmp_path, capsys):
@@ -77,6 +101,7 @@ def test_cli_published_on_a_small_file(tmp_path, capsys):
     ({"model": "no-such-model"}, "not in the catalog"),
     ({"source": "x"}, "source needs url and quote"),
     ({"metric": "reserved_above_init"}, "init_reserved_bytes"),
+    ({"seq_lens": "lengths/none.txt"}, "not a file beside"),
 ])
 def test_bad_rows_are_one_line(tmp_path, fields, match):
     bad = tmp_path / "bad.jsonl"
