@@ -112,6 +112,7 @@ _TARGET_LEN = _int_arg("--target-len", 1, _MAX_TOKENS, "target tokens per sequen
 _CHECKPOINT_EVERY = _int_arg("--checkpoint-every", 1, 1024, "more than any model's layers")
 _IMAGES = _int_arg("--images", 1, 64, "images per sample; beyond any vision-language recipe")
 _STEPS = _int_arg("--steps", 1, 5000, "steps replayed; llmem_plugin.varlen.MAX_STEPS")
+_PACKED_DOCS = _int_arg("--packed-docs", 1, _MAX_TOKENS, "documents per packed micro-batch, at most one per token")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +126,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "with 'length' or 'input_ids'), MIN:MAX, MIN:MAX:MEAN or LEN:COUNT,...; each micro-batch "
                         "is padded to its longest sample (up to --seq-len) and a run of steps is replayed through "
                         "the allocator (docs/techniques/variable-length.md)")
+    g.add_argument("--packed-docs", type=_PACKED_DOCS, default=None, metavar="N",
+                   help="padding-free packing: each micro-batch's --batch-size x --seq-len tokens in one row of N "
+                        "documents, their boundaries passed to flash attention's varlen kernel (TRL's padding-free "
+                        "collator; needs --attn flash_attention_2; docs/techniques/packing.md)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
     g.add_argument("--load", default="direct", choices=("direct", "fp32-cast"),
@@ -370,6 +375,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "load": getattr(args, "load", "direct"),
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
+        "packed_docs": getattr(args, "packed_docs", None),
     }
 
 
@@ -539,7 +545,9 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             continue
         rows.append(est)
     if not rows:
-        raise ConfigError(f"no method applies to {num_gpus} GPU(s): {skipped[0][0]}: {skipped[0][1]}. "
+        # On several GPUs, 'single' refuses for the GPU count alone: another method's reason says more.
+        name, why = next((x for x in skipped if x[0] != "single" or num_gpus == 1), skipped[0])
+        raise ConfigError(f"no method applies to {num_gpus} GPU(s): {name}: {why}. "
                           "HINT: see `llmem estimate --method help`, or change --gpus/--tp/--offload")
     if args.json:
         print(json.dumps({"gpu": gpu.name, "capacity_bytes": gpu.capacity_bytes, "layout": layout.to_dict(),

@@ -84,6 +84,15 @@ def load_path(wl) -> str:
     return "weights loaded once each in their training dtype"
 
 
+def batch_layout(wl) -> str:
+    """How the traced micro-batch lays out its tokens, in words."""
+    tokens = wl.micro_batch_size * wl.seq_len
+    if wl.packed_docs is None:
+        return f"{wl.micro_batch_size} x {wl.seq_len} tokens, padded"
+    return (f"one padding-free packed row of {tokens} tokens ({wl.micro_batch_size} x {wl.seq_len}) holding "
+            f"{wl.packed_docs} documents, their boundaries passed to flash attention's varlen kernel")
+
+
 def loss_path(est: Estimate) -> str:
     """How the traced step computed its loss, in words (llmem_plugin.loss)."""
     wl = est.workload
@@ -182,6 +191,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
                                  what=f"host (CPU) RAM of the process: {gib(est.host_bytes)} GiB "
                                       f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
     console.print(f"loss path: {loss_path(est)}")
+    if wl.packed_docs is not None:
+        console.print(f"batch: {batch_layout(wl)}")
     console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
     if wl.quantize is not None:
         console.print(f"QLoRA: {qlora_path(wl)}")

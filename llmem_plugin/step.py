@@ -258,6 +258,7 @@ def trace_step(
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
+    from llmem_plugin.packing import packed_batch
     from llmem_plugin.tasks import extra_inputs, make_labels
 
     params = [p for p in model.parameters()]
@@ -308,10 +309,16 @@ def trace_step(
                     tracker.set_phase(Phase.SETUP)
                     tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
-                    input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
-                    labels = make_labels(labels_for, input_ids, workload)
-                    extra = extra_inputs(labels_for, input_ids, workload)
-                    tracker.register([input_ids, labels, *extra.values()], MemoryCategory.INPUT)
+                    if workload.packed_docs is not None:  # one padding-free row (llmem_plugin.packing)
+                        input_ids, labels, extra = packed_batch(b, s, workload.packed_docs, vocab_size,
+                                                                fake=fake_mode is not None)
+                    else:
+                        input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
+                        labels = make_labels(labels_for, input_ids, workload)
+                        extra = extra_inputs(labels_for, input_ids, workload)
+                    tensors = [t for t in extra.values() if isinstance(t, torch.Tensor)]
+                    tracker.register([input_ids, labels, *tensors], MemoryCategory.INPUT)
+                    del tensors
                     hooks.begin_micro(it, mb)
                     tracker.set_phase(Phase.FORWARD)
                     start = tracker.num_records

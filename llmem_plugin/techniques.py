@@ -22,6 +22,7 @@ _TECHNIQUES = (
     "llmem_plugin.emulation.flash",
     "llmem_plugin.actoffload",
     "llmem_plugin.reference",
+    "llmem_plugin.packing",
 )
 
 

@@ -415,6 +415,12 @@ class Workload:
         images: Images per sample of a vision-language model (None: 1).
         freeze_vision: Keep a vision-language model's vision tower frozen
             (no gradients or optimizer states for it).
+        packed_docs: A padding-free packed batch (:mod:`llmem_plugin.packing`):
+            each micro-batch's ``micro_batch_size`` x ``seq_len`` tokens
+            flattened into one row holding this many documents, their
+            boundaries among the inputs for flash attention's varlen kernel
+            (TRL's padding-free collator); None: a padded ``[micro_batch_size,
+            seq_len]`` batch.
     """
 
     seq_len: int = 2048
@@ -446,8 +452,15 @@ class Workload:
     load: str = "direct"
     images: int | None = None
     freeze_vision: bool = False
+    packed_docs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.packed_docs is not None and (
+                isinstance(self.packed_docs, bool) or not isinstance(self.packed_docs, int)
+                or not 1 <= self.packed_docs <= self.micro_batch_size * self.seq_len):
+            raise ConfigError(f"packed_docs must be an integer from 1 to the micro-batch's {self.micro_batch_size} x "
+                              f"{self.seq_len} tokens, got {self.packed_docs!r}. HINT: pass --packed-docs N, the "
+                              "documents in one packed micro-batch")
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
                            ("grad_accum_steps", "--grad-accum")):
             value = getattr(self, name)

@@ -24,8 +24,10 @@ Sources:
 
 Known limitations:
 
-* Padding masks, packed sequences and paged caches (the varlen and kv-cache
-  entry points) raise :class:`UnsupportedError`.
+* Packed batches reach ``flash_attn_varlen_func`` with the collator's
+  sequence boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``), which is
+  modelled; padding masks (``_upad_input``, data-dependent ``nonzero``) and
+  paged caches raise :class:`UnsupportedError`.
 * ``seqlenq_ngroups_swapped`` (s_q == 1 with GQA) changes only the layout of
   ``out``/``softmax_lse``, not their sizes; the layout is not reproduced.
 * Dropout values come from a CPU generator, not flash-attn's Philox stream.
@@ -44,7 +46,8 @@ from llmem_plugin._pause import untracked
 from llmem_plugin.emulation import sdpa
 from llmem_plugin.errors import ConfigError, UnsupportedError
 
-__all__ = ["ATTN_NAME", "attn_implementation_name", "check_model", "flash_attn_func", "unsupported"]
+__all__ = ["ATTN_NAME", "attn_implementation_name", "check_model", "flash_attn_func", "flash_attn_varlen_func",
+           "unsupported"]
 
 # Registered name; contains "flash" so is_flash_attention_requested() [T] is true.
 ATTN_NAME = "llmem_flash_attention_2"
@@ -188,9 +191,19 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
             causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
             return_attn_probs=False, block_table=None):
-    """flash-attn's ``flash_attn_varlen_func`` [I] signature; not modelled."""
-    raise UnsupportedError("flash_attention_2 with a padding mask or packed sequences (flash_attn_varlen_func) is "
-                           "not modelled. HINT: trace unpadded, unpacked batches or pass --attn sdpa")
+    """flash-attn's ``flash_attn_varlen_func`` [I] as transformers calls it.
+
+    The packed batches a padding-free collator makes reach it with their
+    sequence boundaries (``cu_seq_lens_q/k`` and ``max_length_q/k`` among the
+    model's inputs, ``_flash_attention_forward`` [T]): that is
+    :func:`flash_attn_varlen_func`. A padding mask (``_upad_input``, whose
+    ``nonzero`` depends on the mask's values) is not modelled.
+    """
+    if block_table is not None:
+        raise UnsupportedError("flash_attn_varlen_func with a paged KV cache is not modelled. HINT: pass --attn sdpa")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
 
 
 # ----------------------------------------------------------------------------- flash-attn [I] [F]
@@ -365,3 +378,123 @@ class _FlashAttnFunc(torch.autograd.Function):
         if d_og % 8:
             dq, dk, dv = dq[..., :d_og], dk[..., :d_og], dv[..., :d_og]
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """flash-attn 2.8.3 ``flash_attn_varlen_func`` [I] with the CUDA kernels' allocations.
+
+    Args:
+        q, k, v: ``[total_q, h, d]`` and ``[total_k, h_k, d]``: the sequences
+            of a batch concatenated, fp16/bf16.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[n + 1]``, where each of the n
+            sequences starts (and the total).
+        max_seqlen_q, max_seqlen_k: The longest sequence.
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic:
+            As flash-attn takes them.
+        alibi_slopes, return_attn_probs: Must be None/False (not modelled).
+
+    Returns:
+        The attention output ``[total_q, h, d]`` in q's dtype.
+
+    Raises:
+        ConfigError: a dtype, head dim or GPU flash-attn rejects.
+        UnsupportedError: ALiBi, returned attention probabilities, or one
+            query per sequence (flash-attn's ``seqlenq_ngroups_swapped``
+            decoding layout).
+    """
+    if alibi_slopes is not None or return_attn_probs:
+        raise UnsupportedError("flash_attn_varlen_func with alibi_slopes or return_attn_probs is not modelled. "
+                               "HINT: pass --attn sdpa")
+    if int(max_seqlen_q) == 1:
+        raise UnsupportedError("flash_attn_varlen_func with one query per sequence (decoding) is not modelled. "
+                               "HINT: estimate training steps")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                      float(dropout_p), scale, bool(causal), tuple(window_size), float(softcap),
+                                      bool(deterministic))
+
+
+def _sequences(cu_q, cu_k):
+    """(start_q, end_q, start_k, end_k) of each sequence (real tensors only)."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    return list(zip(bq, bq[1:], bk, bk[1:]))
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    """flash-attn's ``FlashAttnVarlenFunc`` [I] over ``mha_varlen_fwd``/``mha_varlen_bwd`` [F].
+
+    Forward: q/k/v padded to a head dim multiple of 8, ``maybe_contiguous``
+    copies, then ``mha_varlen_fwd``: ``out = empty_like(q)``, fp32
+    ``softmax_lse [h, total_q]`` (unpadded), ``p = empty({0})`` and int64
+    ``rng_state [2]`` (no split-KV: ``set_params_splitkv`` runs there only
+    for one query per sequence). Saved: padded q, k, v, ``out_padded``,
+    ``softmax_lse``, ``cu_seqlens_q/k``, ``rng_state``.
+
+    Backward: ``dq/dk/dv = empty_like``, ``dout`` padded, ``maybe_contiguous``
+    copies, then ``mha_varlen_bwd``: fp32 ``softmax_d [h, total_q + 128 n]``
+    and ``dq_accum [total_q + 128 n, h, d_rounded]`` for n sequences (each
+    sequence 128 rows apart; zeros with a leading ``ceil(num_sms / (n*h))``
+    split dim when deterministic), and for GQA ``dk/dv_expanded [total_k,
+    h, d]`` summed into dk/dv.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, deterministic):
+        target = sdpa._active_target
+        _check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), target)
+        d_og = q.size(-1)
+        if d_og % 8:  # [I] FlashAttnVarlenFunc.forward pads the head dim to a multiple of 8
+            q, k, v = (F.pad(t, [0, 8 - d_og % 8]) for t in (q, k, v))
+        qc, kc, vc = (_maybe_contiguous(t) for t in (q, k, v))
+        total_q, h, _ = qc.shape
+        out = torch.empty_like(qc)
+        lse = qc.new_empty((h, total_q), dtype=_F32)
+        p = qc.new_empty((0,))  # S_dmask: return_softmax is False
+        rng_state = qc.new_empty((2,), dtype=torch.int64)
+        seed = sdpa._new_seed() if dropout_p > 0.0 and sdpa._has_values(qc) else 0
+        if sdpa._has_values(qc):
+            with untracked():
+                out.copy_(torch.cat([_reference(qc[a:b][None], kc[c:e][None], vc[c:e][None], scale, causal, window,
+                                                 softcap, dropout_p, seed)[0] for a, b, c, e in _sequences(cu_q, cu_k)]))
+        del p, qc, kc, vc
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
+        ctx.args = (d_og, dropout_p, scale, causal, window, softcap, deterministic, seed, target)
+        return out[..., :d_og] if d_og % 8 else out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, _lse, cu_q, cu_k, _rng_state = ctx.saved_tensors
+        d_og, dropout_p, scale, causal, window, softcap, deterministic, seed, target = ctx.args
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dout_p = F.pad(dout, [0, 8 - d_og % 8]) if d_og % 8 else dout
+        dout_c, qc, kc, vc, out_c = (_maybe_contiguous(t) for t in (dout_p, q, k, v, out))
+        total_q, h, d = qc.shape
+        total_k, h_k = kc.size(0), kc.size(1)
+        n = cu_q.size(0) - 1
+        rows, d_r = total_q + 128 * n, _head_dim_rounded(d)
+        softmax_d = qc.new_empty((h, rows), dtype=_F32)
+        if deterministic:
+            dq_accum = qc.new_zeros((_ceil_div(target.num_sms, n * h), rows, h, d_r), dtype=_F32)
+        else:
+            dq_accum = qc.new_empty((rows, h, d_r), dtype=_F32)
+        gqa = h_k != h
+        dk_e = qc.new_empty((total_k, h, d)) if gqa else dk
+        dv_e = qc.new_empty((total_k, h, d)) if gqa else dv
+        if sdpa._has_values(qc):
+            with untracked():
+                grads = [_reference(qc[a:b][None], kc[c:e][None], vc[c:e][None], scale, causal, window, softcap,
+                                    dropout_p, seed, grad=dout_c[a:b][None]) for a, b, c, e in _sequences(cu_q, cu_k)]
+                dq.copy_(torch.cat([g[0][0] for g in grads]))
+                dk_e.copy_(torch.cat([g[1][0] for g in grads]))
+                dv_e.copy_(torch.cat([g[2][0] for g in grads]))
+                del grads
+        if gqa:  # [F] mha_varlen_bwd: at::sum_out(dk, reshape(dk_expanded, {total_k, h_k, h / h_k, d}), {2})
+            torch.sum(dk_e.reshape(total_k, h_k, h // h_k, d), dim=2, out=dk)
+            torch.sum(dv_e.reshape(total_k, h_k, h // h_k, d), dim=2, out=dv)
+        del dk_e, dv_e, dq_accum, softmax_d, dout_c, qc, kc, vc, out_c, dout_p
+        if d_og % 8:
+            dq, dk, dv = dq[..., :d_og], dk[..., :d_og], dv[..., :d_og]
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+

@@ -1,0 +1,99 @@
+"""Padding-free packed batches: documents concatenated into one row.
+
+A padding-free collator flattens a micro-batch into a single row and passes
+each document's boundaries with it, so flash attention runs its varlen kernel
+over the documents and no padding or attention mask exists. TRL 1.16's
+``DataCollatorForLanguageModeling(padding_free=True)`` (trl/trainer/
+sft_trainer.py ``torch_call``; on by default with ``packing=True`` and the
+``bfd`` strategy) returns, for a row of ``T`` tokens and ``n`` documents:
+
+- ``input_ids``, ``labels`` and ``position_ids`` ``[1, T]`` (int64; positions
+  restart at 0 in each document);
+- ``cu_seq_lens_q`` and ``cu_seq_lens_k``: one int32 ``[n + 1]`` tensor of
+  document starts and the total, under both keys (the Trainer moves each
+  key's value to the GPU, so the device holds two copies);
+- ``max_length_q``/``max_length_k``: the longest document, a Python int;
+- ``seq_idx`` ``[1, T]`` int32: each token's document.
+
+transformers' ``_flash_attention_forward`` takes the varlen path when all
+four boundary inputs are given (modeling_flash_attention_utils.py), and
+``create_causal_mask`` runs ``find_packed_sequence_indices`` on the
+positions (masking_utils.py), whose result flash attention's mask function
+drops. What this module models: a micro-batch of ``micro_batch_size`` x
+``seq_len`` tokens (a packed row per sample, each full: the most a row holds)
+split into ``packed_docs`` documents of equal length (the last takes the
+remainder). The kernel's memory depends on the document count only through
+its 128 rows of padding per document (``mha_varlen_bwd``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+__all__ = ["doc_lengths", "packed_batch", "unsupported"]
+
+
+def doc_lengths(total: int, docs: int) -> list[int]:
+    """``docs`` lengths summing to ``total``: equal, the last with the remainder."""
+    base = total // docs
+    return [base] * (docs - 1) + [total - base * (docs - 1)]
+
+
+def unsupported(method: str, workload: Any) -> str | None:
+    """Why a packed ``workload`` cannot be estimated under ``method``, or None
+    (one sentence with a HINT; :func:`llmem_plugin.techniques.check_supported`)."""
+    if workload.packed_docs is None:
+        return None
+    attn = workload.attn_implementation.value
+    if attn != "flash_attention_2":
+        return (f"--packed-docs with --attn {attn} is not modelled: without flash attention's varlen kernel "
+                "transformers builds a [T, T] block-diagonal mask over the packed row. HINT: pass --attn "
+                "flash_attention_2, as padding-free packing expects")
+    if method != "single":
+        return (f"--packed-docs under {method} is not modelled yet (checked on one GPU). HINT: estimate one GPU's "
+                "step without --method, or drop --packed-docs")
+    if workload.loss.value != "hf" or workload.logits_to_keep:
+        return ("--packed-docs is modelled with the model's own loss only. HINT: drop --loss and --logits-to-keep")
+    if workload.reference_model:
+        return ("--packed-docs with --reference-model is not modelled: TRL's DPO turns padding-free off. "
+                "HINT: drop --packed-docs")
+    if workload.task not in (None, "causal-lm"):
+        return f"--packed-docs with --task {workload.task} is not modelled (causal LMs only). HINT: drop --packed-docs"
+    return None
+
+
+def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              dict[str, Any]]:
+    """``input_ids``, ``labels`` and the other inputs of a packed row of ``b`` x ``s`` tokens.
+
+    Each tensor is one allocation, made in the order the Trainer moves the
+    collator's keys to the GPU (the collator builds them on the CPU).
+    """
+    from llmem_plugin._pause import untracked
+
+    total = b * s
+    lengths = doc_lengths(total, docs)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    gen = None if fake else torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (1, total), generator=gen)
+    labels = input_ids.clone()
+    with untracked():  # the collator's CPU tensors; what reaches the GPU is their copies below
+        if not fake:
+            labels[0, starts[:-1]] = -100  # TRL: labels[position_ids == 0] = -100
+        host = {
+            "position_ids": torch.tensor([i for n in lengths for i in range(n)]).unsqueeze(0),
+            "cu_seq_lens_q": torch.tensor(starts, dtype=torch.int32),
+            "cu_seq_lens_k": torch.tensor(starts, dtype=torch.int32),
+            "seq_idx": torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)[None],
+        }
+    longest = max(lengths)
+    return input_ids, labels, {"position_ids": host["position_ids"].clone(),
+                               "cu_seq_lens_q": host["cu_seq_lens_q"].clone(),
+                               "cu_seq_lens_k": host["cu_seq_lens_k"].clone(),
+                               "max_length_q": longest, "max_length_k": longest,
+                               "seq_idx": host["seq_idx"].clone()}
