@@ -892,6 +892,9 @@ def estimate_variable_length(
         raise UnsupportedError("--seq-lens with a litgpt model is not modelled (the derivation across lengths is "
                                "checked on transformers' models). HINT: estimate the longest length with --seq-len")
     wl = est._workload_from(workload, {})
+    if wl.packed_docs is not None:
+        raise UnsupportedError("--seq-lens with --packed-docs: packing fills every row to --batch-size x --seq-len "
+                               "tokens, so its batches do not vary in length. HINT: drop one of the two")
     check_supported("single", wl)
     target = est._resolve_gpu(gpu, gpu_memory)
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)

@@ -141,6 +141,14 @@ def test_unmodelled_packing_is_refused(kw, match):
         _packed(129)  # more documents than tokens
 
 
+def test_packed_rows_do_not_vary_in_length():
+    from llmem_plugin.errors import UnsupportedError
+    from llmem_plugin.varlen import estimate_variable_length
+
+    with pytest.raises(UnsupportedError, match="do not vary in length"):
+        estimate_variable_length(tiny_config("llama"), _packed(2), "16:64")
+
+
 def test_cli(capsys):
     args = ["estimate", "--model", "llama-3.2-1b", "--seq-len", "64", "--batch-size", "2", "--packed-docs", "3",
             "--precision", "bf16", "--gpu", "a100-80gb", "--fast"]
