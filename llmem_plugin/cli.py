@@ -130,6 +130,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="padding-free packing: each micro-batch's --batch-size x --seq-len tokens in one row of N "
                         "documents, their boundaries passed to flash attention's varlen kernel (TRL's padding-free "
                         "collator; needs --attn flash_attention_2; docs/techniques/packing.md)")
+    g.add_argument("--packed-boundaries", default=None, choices=("collator", "positions"),
+                   help="with --packed-docs, how the model gets the documents' boundaries: collator (among the "
+                        "inputs, TRL's padding-free collator; the default) or positions (found from the position "
+                        "ids in every attention call: transformers' DataCollatorWithFlattening, Axolotl's "
+                        "sample_packing)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
     g.add_argument("--load", default="direct", choices=("direct", "fp32-cast"),
@@ -376,6 +381,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
         "packed_docs": getattr(args, "packed_docs", None),
+        "packed_boundaries": getattr(args, "packed_boundaries", None) or "collator",
     }
 
 

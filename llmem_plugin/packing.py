@@ -33,7 +33,26 @@ from typing import Any
 import torch
 
 
-__all__ = ["doc_lengths", "packed_batch", "unsupported"]
+__all__ = ["BOUNDARIES", "doc_lengths", "documents", "packed_batch", "set_documents", "unsupported"]
+
+# How the model learns the documents' boundaries: from the collator (cu_seq_lens_q/k and max_length_q/k among
+# the inputs: TRL's padding-free collator, DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or from
+# the positions alone (DataCollatorWithFlattening's default, Axolotl's multipack): each attention call then
+# derives them (prepare_fa_kwargs_from_position_ids: a nonzero and a host sync per layer).
+BOUNDARIES = ("collator", "positions")
+
+_documents: list[int] | None = None
+
+
+def set_documents(lengths: list[int] | None) -> None:
+    """The document lengths of the row being traced (None: not a packed row)."""
+    global _documents
+    _documents = None if lengths is None else list(lengths)
+
+
+def documents() -> list[int] | None:
+    """The document lengths of the row being traced, for the attention emulation."""
+    return _documents
 
 
 def doc_lengths(total: int, docs: int) -> list[int]:
@@ -65,12 +84,15 @@ def unsupported(method: str, workload: Any) -> str | None:
     return None
 
 
-def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              dict[str, Any]]:
+def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool,
+                 boundaries: str = "collator") -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """``input_ids``, ``labels`` and the other inputs of a packed row of ``b`` x ``s`` tokens.
 
     Each tensor is one allocation, made in the order the Trainer moves the
-    collator's keys to the GPU (the collator builds them on the CPU).
+    collator's keys to the GPU (the collator builds them on the CPU). With
+    ``boundaries="positions"`` the row carries its positions only
+    (transformers' ``DataCollatorWithFlattening`` by default). Sets
+    :func:`documents` for the attention emulation.
     """
     from llmem_plugin._pause import untracked
 
@@ -91,6 +113,9 @@ def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool) -> tuple[
             "cu_seq_lens_k": torch.tensor(starts, dtype=torch.int32),
             "seq_idx": torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)[None],
         }
+    set_documents(lengths)
+    if boundaries == "positions":  # input_ids, labels and position_ids only
+        return input_ids, labels, {"position_ids": host["position_ids"].clone()}
     longest = max(lengths)
     return input_ids, labels, {"position_ids": host["position_ids"].clone(),
                                "cu_seq_lens_q": host["cu_seq_lens_q"].clone(),

@@ -258,7 +258,7 @@ def trace_step(
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
-    from llmem_plugin.packing import packed_batch
+    from llmem_plugin.packing import packed_batch, set_documents
     from llmem_plugin.tasks import extra_inputs, make_labels
 
     params = [p for p in model.parameters()]
@@ -284,6 +284,8 @@ def trace_step(
     offload_ctx = _activation_offload(workload, tracker)
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
+        set_documents(None)
+        stack.callback(set_documents, None)  # a packed row's documents belong to this trace only
         for ctx in contexts:
             stack.enter_context(ctx)
         if offload:
@@ -311,7 +313,8 @@ def trace_step(
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     if workload.packed_docs is not None:  # one padding-free row (llmem_plugin.packing)
                         input_ids, labels, extra = packed_batch(b, s, workload.packed_docs, vocab_size,
-                                                                fake=fake_mode is not None)
+                                                                fake=fake_mode is not None,
+                                                                boundaries=workload.packed_boundaries)
                     else:
                         input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
                         labels = make_labels(labels_for, input_ids, workload)

@@ -421,6 +421,11 @@ class Workload:
             boundaries among the inputs for flash attention's varlen kernel
             (TRL's padding-free collator); None: a padded ``[micro_batch_size,
             seq_len]`` batch.
+        packed_boundaries: With ``packed_docs``, how the model gets the
+            documents' boundaries: ``collator`` (among the inputs, TRL's
+            padding-free collator) or ``positions`` (found from the position
+            ids in every attention call: transformers'
+            ``DataCollatorWithFlattening``, Axolotl's multipack).
     """
 
     seq_len: int = 2048
@@ -453,8 +458,17 @@ class Workload:
     images: int | None = None
     freeze_vision: bool = False
     packed_docs: int | None = None
+    packed_boundaries: str = "collator"
 
     def __post_init__(self) -> None:
+        from llmem_plugin.packing import BOUNDARIES
+
+        if self.packed_boundaries not in BOUNDARIES:
+            raise ConfigError(f"packed boundaries {self.packed_boundaries!r}; valid: {', '.join(BOUNDARIES)}. "
+                              "HINT: pass --packed-boundaries collator or positions")
+        if self.packed_boundaries != "collator" and self.packed_docs is None:
+            raise ConfigError("--packed-boundaries applies to packed batches. HINT: add --packed-docs N, or drop "
+                              "--packed-boundaries")
         if self.packed_docs is not None and (
                 isinstance(self.packed_docs, bool) or not isinstance(self.packed_docs, int)
                 or not 1 <= self.packed_docs <= self.micro_batch_size * self.seq_len):

@@ -58,7 +58,8 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 # Private names of modeling_flash_attention_utils [T] that the hook replaces.
 _TRANSFORMERS_HOOKS = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn",
                        "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn",
-                       "_is_packed_sequence", "_lazy_define_process_function", "_pad_input", "_unpad_input")
+                       "_is_packed_sequence", "_lazy_define_process_function", "_pad_input", "_unpad_input",
+                       "prepare_fa_kwargs_from_position_ids")
 _HALF = (torch.float16, torch.bfloat16)
 _F32 = torch.float32
 
@@ -160,18 +161,46 @@ def _install_functions() -> None:
     mfau._loaded_implementation = ATTN_NAME
 
 
-def _unpacked_sequence(position_ids, batch_size) -> bool:
-    """``_is_packed_sequence`` [T] for the traced, unpacked batch.
+def _packed_sequence(position_ids, batch_size) -> bool:
+    """``_is_packed_sequence`` [T] for the traced batch.
 
     A real run reads the values (an ``arange``, ``min``, difference, ``abs``,
     ``sum`` and ``bool``, then a host sync); the same ops run here, and the
-    answer is the one a real run gives for rows of positions 0..s-1: not packed.
+    answer is the one a real run gives: packed when the step's row holds
+    several documents whose boundaries the model must find from the
+    positions (:func:`llmem_plugin.packing.documents`), not packed for rows
+    of positions 0..s-1.
     """
+    from llmem_plugin import packing
+
     if position_ids is None or batch_size != 1 or position_ids.shape[-1] == 1:
         return False
     start = torch.arange(position_ids.shape[1], device=position_ids.device) + position_ids.min()
     (start - position_ids).abs().sum().bool()
-    return False
+    lengths = packing.documents()
+    return lengths is not None and len(lengths) > 1
+
+
+def _fa_kwargs_from_positions(position_ids):
+    """``prepare_fa_kwargs_from_position_ids`` [T] with the documents' boundaries known.
+
+    The same ops allocate the same tensors; ``nonzero``, whose output size
+    depends on the values, is a tensor of the known document starts.
+    """
+    from llmem_plugin import packing
+
+    lengths = packing.documents()
+    tensor_kwargs = {"dtype": torch.int32, "device": position_ids.device}
+    position_ids = position_ids.reshape(-1)
+    first = position_ids == position_ids.min()
+    indices_q = first.new_empty((len(lengths), 1), dtype=torch.int64)  # first.nonzero()
+    if sdpa._has_values(position_ids):
+        with untracked():
+            indices_q.copy_(first.nonzero())
+    indices_q = indices_q.view(-1)
+    cu_seq_lens_q = torch.cat((indices_q.to(**tensor_kwargs), torch.tensor(position_ids.size(), **tensor_kwargs)))
+    max_length_q = cu_seq_lens_q.diff().max()
+    return (cu_seq_lens_q, cu_seq_lens_q), (max_length_q, max_length_q)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -180,12 +209,12 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 
     _install_functions()
     mfau = _hooks()
-    original = mfau._is_packed_sequence
-    mfau._is_packed_sequence = _unpacked_sequence
+    originals = mfau._is_packed_sequence, mfau.prepare_fa_kwargs_from_position_ids
+    mfau._is_packed_sequence, mfau.prepare_fa_kwargs_from_position_ids = _packed_sequence, _fa_kwargs_from_positions
     try:
         return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
     finally:
-        mfau._is_packed_sequence = original
+        mfau._is_packed_sequence, mfau.prepare_fa_kwargs_from_position_ids = originals
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
@@ -407,6 +436,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if alibi_slopes is not None or return_attn_probs:
         raise UnsupportedError("flash_attn_varlen_func with alibi_slopes or return_attn_probs is not modelled. "
                                "HINT: pass --attn sdpa")
+    from llmem_plugin import packing
+
+    lengths = packing.documents()
+    if lengths:  # a traced packed row: its longest document (transformers' .item() of a fake tensor is no value)
+        max_seqlen_q = max_seqlen_k = max(lengths)
     if int(max_seqlen_q) == 1:
         raise UnsupportedError("flash_attn_varlen_func with one query per sequence (decoding) is not modelled. "
                                "HINT: estimate training steps")

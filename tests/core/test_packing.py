@@ -88,9 +88,10 @@ def _packed(docs, **kw):
                     packed_docs=docs, **kw)
 
 
+@pytest.mark.parametrize("boundaries", ["collator", "positions"])
 @pytest.mark.parametrize("docs", [1, 3])
-def test_packed_step_fake_trace_equals_real_cpu_run(docs):
-    fake, real = fake_and_real(tiny_config("llama"), _packed(docs))
+def test_packed_step_fake_trace_equals_real_cpu_run(docs, boundaries):
+    fake, real = fake_and_real(tiny_config("llama"), _packed(docs, packed_boundaries=boundaries))
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
@@ -108,6 +109,27 @@ def test_packed_inputs_are_what_the_padding_free_collator_sends():
     assert extra["position_ids"].tolist()[0] == [*range(42), *range(42), *range(44)]
     assert extra["cu_seq_lens_q"].tolist() == [0, 42, 84, 128] and extra["max_length_q"] == 44
     assert (labels[0, [0, 42, 84]] == -100).all()  # the first token of each document
+
+
+def test_boundaries_from_positions_allocate_what_transformers_does():
+    # transformers' prepare_fa_kwargs_from_position_ids on a real row against the emulation's, whose nonzero
+    # (a size the values decide) is a tensor of the known document starts: same outputs, same allocations.
+    from transformers import modeling_flash_attention_utils as mfau
+
+    from llmem_plugin.emulation.flash import _fa_kwargs_from_positions
+
+    _, _, extra = packing.packed_batch(2, 64, 3, 100, fake=False, boundaries="positions")
+    assert list(extra) == ["position_ids"]  # DataCollatorWithFlattening's row: no boundaries among the inputs
+    pos = extra["position_ids"]
+    got = {}
+    for name, fn in (("transformers", mfau.prepare_fa_kwargs_from_position_ids), ("emulated", _fa_kwargs_from_positions)):
+        rec = Recorder(pos)
+        with rec:
+            (cu, _), (longest, _) = fn(pos)
+        got[name] = (cu.tolist(), int(longest), Counter(rec.allocs["fwd"]))
+    packing.set_documents(None)
+    assert got["emulated"] == got["transformers"]
+    assert got["transformers"][:2] == ([0, 42, 84, 128], 44)
 
 
 def test_documents_change_only_the_kernel_padding():
@@ -150,6 +172,8 @@ def test_packed_rows_do_not_vary_in_length():
 
 
 def test_cli(capsys):
+    assert main(["estimate", "--model", "llama-3.2-1b", "--packed-boundaries", "positions"]) == EXIT_BAD_INPUT
+    assert "add --packed-docs" in capsys.readouterr().err
     args = ["estimate", "--model", "llama-3.2-1b", "--seq-len", "64", "--batch-size", "2", "--packed-docs", "3",
             "--precision", "bf16", "--gpu", "a100-80gb", "--fast"]
     assert main([*args, "--attn", "flash_attention_2"]) == 0
