@@ -218,6 +218,32 @@ def batch_dims(batch: Any) -> tuple[int, int] | None:
     return None
 
 
+def packing_of(batch: Any) -> tuple[int, str] | None:
+    """(documents, where their boundaries come from) of a padding-free packed
+    batch (``llmem_plugin.packing``), None for a padded one.
+
+    A packed batch is one row: with ``cu_seq_lens_q`` among the inputs (TRL's
+    padding-free collator) the boundaries come from the collator; a row with
+    ``position_ids`` that restart and no ``attention_mask``
+    (``DataCollatorWithFlattening``) has the model find them from the
+    positions. Reads the positions' values once (the first batch only).
+    """
+    if not (isinstance(batch, dict) or hasattr(batch, "keys")) or not hasattr(batch, "get"):
+        return None
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        return None
+    cu = batch.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
+        return int(cu.numel()) - 1, "collator"
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and batch.get("attention_mask") is None:
+        docs = int((pos[0] == pos[0].min()).sum())
+        if docs > 1:
+            return docs, "positions"
+    return None
+
+
 def _task_dim(live: "LiveModel", batch: Any, task: Any, key: str, ndim: int) -> int | None:
     """``batch[key].shape[1]`` when ``live`` is a ``task`` model and that
     tensor has ``ndim`` dimensions; None otherwise."""

@@ -127,7 +127,7 @@ def job_of(args: Any) -> Job:
 
 
 def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None,
-              images: int | None = None) -> Workload:
+              images: int | None = None, packed: tuple[int, str] | None = None) -> Workload:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _OPTIM:
         raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
@@ -143,6 +143,7 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
                     target_len=target_len, images=images,
+                    **({"packed_docs": packed[0], "packed_boundaries": packed[1]} if packed else {}),
                     **({"lora": live.lora, **live.quant} if live.quant else {}))
 
 
@@ -303,7 +304,7 @@ class LLMemCallback(TrainerCallback):
         try:
             job = job_of(self._args)
             wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in),
-                           _common.images_per_sample(live, kwargs_in))
+                           _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in))
             source, wl = _unpartitioned(live, wl)
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,

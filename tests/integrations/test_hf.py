@@ -369,3 +369,28 @@ def test_a_live_qlora_model_is_checked_as_its_quantization(tmp_path):
     wl = cb.check.prediction.workload
     assert (wl["quantize"], wl["double_quant"], wl["kbit_prepare"], wl["precision"]) == ("nf4", True, "off", "bf16")
     assert cb.check.fits and trainer.state.global_step == 1
+
+
+def test_packing_of_reads_the_padding_free_batch():
+    from llmem_plugin.integrations._common import packing_of
+
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    cu = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
+    assert packing_of({"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": cu}) == (3, "collator")
+    assert packing_of({"input_ids": ids, "position_ids": positions}) == (3, "positions")
+    assert packing_of({"input_ids": ids, "position_ids": torch.arange(12)[None]}) is None  # one document
+    assert packing_of({"input_ids": ids, "position_ids": positions, "attention_mask": torch.ones(1, 12)}) is None
+    assert packing_of({"input_ids": torch.zeros(2, 6, dtype=torch.long)}) is None  # padded rows
+
+
+def test_a_packed_batch_under_sdpa_warns_what_is_not_modelled_and_trains(tmp_path):
+    # transformers' DataCollatorWithFlattening: one row, positions restarting per sample, no attention mask.
+    # On sdpa transformers builds a block-diagonal mask over the row, which is not modelled: the job runs
+    # unchecked with that reason, not estimated as one dense row.
+    cb = LLMemCallback(gpu="h100-sxm")
+    trainer = _trainer(tmp_path, _model(), cb, steps=1)
+    trainer.data_collator = transformers.DataCollatorWithFlattening()
+    with pytest.warns(UserWarning, match="packed-docs with --attn sdpa is not modelled"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and cb.check is None
