@@ -133,8 +133,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packed-boundaries", default=None, choices=("collator", "positions"),
                    help="with --packed-docs, how the model gets the documents' boundaries: collator (among the "
                         "inputs, TRL's padding-free collator; the default) or positions (found from the position "
-                        "ids in every attention call: transformers' DataCollatorWithFlattening, Axolotl's "
-                        "sample_packing)")
+                        "ids in every attention call, after transformers' DataCollatorWithFlattening)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
     g.add_argument("--load", default="direct", choices=("direct", "fp32-cast"),

@@ -147,6 +147,9 @@ def unsupported(workload: Workload) -> str | None:
     if workload.loss is not LossImpl.HF or workload.logits_to_keep:
         return ("--loss and --logits-to-keep do not apply to a litgpt model: litgpt's scripts compute their own "
                 "chunked cross-entropy, which is what is traced. HINT: drop them")
+    if workload.packed_docs is not None:
+        return ("--packed-docs with a litgpt model is not modelled (litgpt's scripts pad each batch). HINT: drop "
+                "--packed-docs")
     if workload.attn_implementation is not AttentionImpl.AUTO:
         return ("--attn does not apply to a litgpt model (its attention calls scaled_dot_product_attention). "
                 "HINT: drop --attn")

@@ -28,31 +28,40 @@ its 128 rows of padding per document (``mha_varlen_bwd``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 
-__all__ = ["BOUNDARIES", "doc_lengths", "documents", "packed_batch", "set_documents", "unsupported"]
+__all__ = ["BOUNDARIES", "doc_lengths", "documents", "packed_batch", "tracing", "unsupported"]
 
 # How the model learns the documents' boundaries: from the collator (cu_seq_lens_q/k and max_length_q/k among
 # the inputs: TRL's padding-free collator, DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or from
-# the positions alone (DataCollatorWithFlattening's default, Axolotl's multipack): each attention call then
+# the positions alone (DataCollatorWithFlattening's default): each attention call then
 # derives them (prepare_fa_kwargs_from_position_ids: a nonzero and a host sync per layer).
 BOUNDARIES = ("collator", "positions")
 
-_documents: list[int] | None = None
+_DOCUMENTS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("llmem_packed_documents",
+                                                                                  default=None)
 
 
-def set_documents(lengths: list[int] | None) -> None:
-    """The document lengths of the row being traced (None: not a packed row)."""
-    global _documents
-    _documents = None if lengths is None else list(lengths)
+@contextlib.contextmanager
+def tracing(lengths: list[int] | None) -> Iterator[None]:
+    """Within this block the row being traced holds documents of these lengths (None: not a packed row);
+    the attention emulation reads them (:func:`documents`)."""
+    token = _DOCUMENTS.set(None if lengths is None else tuple(lengths))
+    try:
+        yield
+    finally:
+        _DOCUMENTS.reset(token)
 
 
-def documents() -> list[int] | None:
-    """The document lengths of the row being traced, for the attention emulation."""
-    return _documents
+def documents() -> tuple[int, ...] | None:
+    """The document lengths of the row being traced (:func:`tracing`), for the attention emulation."""
+    return _DOCUMENTS.get()
 
 
 def doc_lengths(total: int, docs: int) -> list[int]:
@@ -91,8 +100,8 @@ def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool,
     Each tensor is one allocation, made in the order the Trainer moves the
     collator's keys to the GPU (the collator builds them on the CPU). With
     ``boundaries="positions"`` the row carries its positions only
-    (transformers' ``DataCollatorWithFlattening`` by default). Sets
-    :func:`documents` for the attention emulation.
+    (transformers' ``DataCollatorWithFlattening`` by default). The step
+    traces it within :func:`tracing` of the same :func:`doc_lengths`.
     """
     from llmem_plugin._pause import untracked
 
@@ -113,7 +122,6 @@ def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool,
             "cu_seq_lens_k": torch.tensor(starts, dtype=torch.int32),
             "seq_idx": torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)[None],
         }
-    set_documents(lengths)
     if boundaries == "positions":  # input_ids, labels and position_ids only
         return input_ids, labels, {"position_ids": host["position_ids"].clone()}
     longest = max(lengths)

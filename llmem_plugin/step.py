@@ -258,11 +258,18 @@ def trace_step(
     tracker.watch_modules(model)
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
-    from llmem_plugin.packing import packed_batch, set_documents
+    from llmem_plugin.packing import doc_lengths, packed_batch
+    from llmem_plugin.packing import tracing as packing_tracing
     from llmem_plugin.tasks import extra_inputs, make_labels
 
     params = [p for p in model.parameters()]
     labels_for = model  # the task's labels, read before a wrapper hides the model's class
+    if workload.packed_docs is not None:
+        from llmem_plugin.tasks import Task, model_task
+
+        if model_task(model) is not Task.CAUSAL_LM:  # the workload may not name the task; the model does
+            raise UnsupportedError(f"--packed-docs with {type(model).__name__} ({model_task(model).value}) is not "
+                                   "modelled: padding-free packing is for causal LMs. HINT: drop --packed-docs")
     trainable = [p for p in params if p.requires_grad]
     optimizer = make_optimizer(trainable, workload.optimizer)
     autocast_dtype = workload.precision.autocast_dtype if autocast else None
@@ -284,8 +291,9 @@ def trace_step(
     offload_ctx = _activation_offload(workload, tracker)
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
-        set_documents(None)
-        stack.callback(set_documents, None)  # a packed row's documents belong to this trace only
+        # A packed row's documents, for the attention emulation, within this trace only.
+        stack.enter_context(packing_tracing(
+            doc_lengths(b * s, workload.packed_docs) if workload.packed_docs is not None else None))
         for ctx in contexts:
             stack.enter_context(ctx)
         if offload:

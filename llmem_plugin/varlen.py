@@ -261,6 +261,10 @@ class _Traced:
         return (self.bounds, tuple((e[0], e[1]) for e in self.events))
 
 
+def _round_up(s: int, unit: int) -> int:
+    return -(-s // unit) * unit
+
+
 def _fit(points: list[tuple[int, int]]) -> tuple[Fraction, Fraction, Fraction]:
     """Exact a + b s + c s^2 through three (s, size) points (Lagrange)."""
     (x0, y0), (x1, y1), (x2, y2) = points
@@ -331,7 +335,7 @@ class Derivation:
                     n += 1
 
     def sizes(self, s: int) -> list[int]:
-        up = -(-s // self.unit) * self.unit
+        up = _round_up(s, self.unit)
         if self.steps is not None:
             row = self.steps[up]
             return [_at(c, s) if e else row[i] for i, (c, e) in enumerate(zip(self.coefs, self.exact))]
@@ -348,6 +352,21 @@ class Derivation:
                    [(Fraction(e[2]), Fraction(0), Fraction(0)) for e in t.events], [True] * len(t.events))
 
 
+def _alike(traced: dict[int, _Traced], base: int, others: tuple[int, ...]) -> _Traced:
+    """The trace at ``base``, once every trace at ``others`` has its event structure.
+
+    Raises:
+        UnsupportedError: One does not (a kernel choice that depends on the length's alignment).
+    """
+    for s in others:
+        if traced[s].signature != traced[base].signature:
+            raise UnsupportedError(
+                f"the step's allocations at {s} tokens differ in structure from those at {base} tokens, which "
+                "the derivation found alike (a kernel choice that depends on the length's alignment). HINT: "
+                "estimate the longest length with --seq-len alone")
+    return traced[base]
+
+
 def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, unit: int = GRID) -> Derivation:
     """Fit every event's size through the grid traces and classify it with the check trace.
 
@@ -355,20 +374,14 @@ def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, u
         UnsupportedError: The traces' structures differ, or an event's size
             is neither a quadratic nor bounded by the grid round-up.
     """
-    first = traced[grid[0]]
-    for s in (*grid[1:], check):
-        if traced[s].signature != first.signature:
-            raise UnsupportedError(
-                f"the step's allocations at {s} tokens differ in structure from those at {grid[0]} tokens, which "
-                "the derivation found alike (a kernel choice that depends on the length's alignment). HINT: "
-                "estimate the longest length with --seq-len alone")
+    first = _alike(traced, grid[0], (*grid[1:], check))
     coefs, exact = [], []
     for i in range(len(first.events)):
         coef = _fit([(s, traced[s].events[i][2]) for s in grid])
         actual = traced[check].events[i][2]
         if _at(coef, check) == actual:
             exact.append(True)
-        elif _at(coef, -(-check // unit) * unit) >= actual:
+        elif _at(coef, _round_up(check, unit)) >= actual:
             exact.append(False)
         else:
             raise UnsupportedError(
@@ -393,13 +406,7 @@ def derive_fine(traced: dict[int, _Traced], pts: list[int], checks: tuple[int, .
         UnsupportedError: The traces' structures differ, or a check finds an
             event larger than at the grid length above it.
     """
-    first = traced[pts[0]]
-    for s in (*pts[1:], *checks):
-        if traced[s].signature != first.signature:
-            raise UnsupportedError(
-                f"the step's allocations at {s} tokens differ in structure from those at {pts[0]} tokens, which "
-                "the derivation found alike (a kernel choice that depends on the length's alignment). HINT: "
-                "estimate the longest length with --seq-len alone")
+    first = _alike(traced, pts[0], (*pts[1:], *checks))
     g = (pts[0], pts[len(pts) // 2], pts[-1])
     steps = {s: [e[2] for e in traced[s].events] for s in pts}
     coefs, exact = [], []
@@ -407,7 +414,7 @@ def derive_fine(traced: dict[int, _Traced], pts: list[int], checks: tuple[int, .
         coef = _fit([(s, traced[s].events[i][2]) for s in g])
         exact.append(all(_at(coef, s) == traced[s].events[i][2] for s in (*pts, *checks)))
         for c in checks:
-            if not exact[-1] and steps[-(-c // _FINE) * _FINE][i] < traced[c].events[i][2]:
+            if not exact[-1] and steps[_round_up(c, _FINE)][i] < traced[c].events[i][2]:
                 raise UnsupportedError(
                     f"allocation event {i} of the step is larger at {c} tokens than at the grid length above "
                     "(a size that shrinks as the length grows). HINT: estimate the longest length with --seq-len "
@@ -526,32 +533,53 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
     if low < grid[0]:  # below the finest grid: each length as traced
         exact(low, grid[0] - 1)
 
-    def fit(first: int, last: int, pts: list[int], at_low_end: bool, at_high_end: bool) -> None:
-        # A regime at either end of the range may continue past it: grid lengths there serve its fit.
-        while len(pts) < 3 and at_high_end and sig(pts[-1] + GRID) == sig(pts[0]):
-            pts.append(pts[-1] + GRID)
-        step = _FINE if pts[0] <= GRID else GRID
-        while len(pts) < 3 and at_low_end and pts[0] - step >= _FINE and sig(pts[0] - step) == sig(pts[-1]):
-            pts.insert(0, pts[0] - step)
-        if len(pts) < 3:
+    def wanted(first: int, last: int) -> int:
+        return len({s for s in needed if first <= s <= last})
+
+    def table(first: int, last: int, ref: int, at_low_end: bool, at_high_end: bool) -> None:
+        """The regime of grid length ``ref`` over ``first..last`` from its 32-token grid traces
+        (:func:`derive_fine`). Each length takes the grid length at or above it; where that has another
+        structure (the regime ends off the grid) the lengths above the last grid length are traced one by
+        one. A regime at either end of the range may continue past it: grid lengths there serve its table."""
+        start, top = _round_up(first, _FINE), last // _FINE * _FINE
+        if at_high_end and top < last and sig(_round_up(last, _FINE)) == sig(ref):
+            top = _round_up(last, _FINE)
+        while at_high_end and top >= last and (top - start) // _FINE < 2 and sig(top + _FINE) == sig(ref):
+            top += _FINE
+        pts = list(range(start, top + 1, _FINE))
+        while at_low_end and 0 < len(pts) < 3 and pts[0] - _FINE >= _FINE and sig(pts[0] - _FINE) == sig(ref):
+            pts.insert(0, pts[0] - _FINE)
+        if len(pts) < 3 or any(sig(x) != sig(ref) for x in pts):
             exact(first, last)
             return
+        checks = (pts[0] + _FINE // 2 + 1, pts[-2] + _FINE // 2 + 3)
         try:
-            if pts[0] < GRID:  # the 32-token grid: each length's round-up must be a grid length traced
-                pts = list(range(pts[0], -(-last // _FINE) * _FINE + 1, _FINE))
-                while len(pts) < 3 and sig(pts[-1] + _FINE) == sig(pts[0]):  # a regime of one or two grid lengths
-                    pts.append(pts[-1] + _FINE)
-                if len(pts) < 3 or any(sig(x) != sig(pts[0]) for x in pts):
-                    raise UnsupportedError("a 32-token grid length in the regime has another structure")
-                checks = (pts[0] + _FINE // 2 + 1, pts[-2] + _FINE // 2 + 3)
-                der = derive_fine({s: t(s) for s in (*pts, *checks)}, pts, checks)
-            else:
-                g = (pts[0], pts[len(pts) // 2], pts[-1])
-                check = pts[0] + GRID // 2 + 1
-                der = derive({s: t(s) for s in (*g, check)}, g, check, GRID)
-            regimes.append((first, last, der))
+            der = derive_fine({s: t(s) for s in (*pts, *checks)}, pts, checks)
+        except UnsupportedError:
+            if wanted(first, last) > _MAX_EXACT_TRACES:
+                raise
+            exact(first, last)
+            return
+        regimes.append((first, min(top, last), der))
+        if top < last:
+            exact(top + 1, last)
+
+    def fit(first: int, last: int, pts: list[int], at_low_end: bool, at_high_end: bool) -> None:
+        if pts[0] < GRID:  # below 128 tokens: the 32-token grid's own traces
+            table(first, last, pts[0], at_low_end, at_high_end)
+            return
+        # A regime at the top of the range may continue past it: grid lengths there serve its fit.
+        while len(pts) < 3 and at_high_end and sig(pts[-1] + GRID) == sig(pts[0]):
+            pts.append(pts[-1] + GRID)
+        if len(pts) < 3:  # too few 128-token grid lengths for a quadratic: the 32-token grid
+            table(first, last, pts[0], False, at_high_end)
+            return
+        g = (pts[0], pts[len(pts) // 2], pts[-1])
+        check = pts[0] + GRID // 2 + 1
+        try:
+            regimes.append((first, last, derive({s: t(s) for s in (*g, check)}, g, check, GRID)))
         except UnsupportedError:  # a size no quadratic bounds (a kernel's launch arithmetic)
-            if len({s for s in needed if first <= s <= last}) > _MAX_EXACT_TRACES:
+            if wanted(first, last) > _MAX_EXACT_TRACES:
                 raise
             exact(first, last)
 
@@ -564,7 +592,7 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
             # One structure across 128 tokens: a size padded to 128 inside a kernel (flash attention's
             # softmax_lse) is constant below 128 and a step function above it, which no quadratic through
             # 32-token and 128-token grid lengths together bounds; fit each side on its own grid.
-            fit(first, GRID - 1, fine, k == 0, False)
+            table(first, GRID - 1, fine[0], k == 0, True)  # the run goes on past 128: its grid lengths serve
             fit(GRID, last, [x for x in pts if x >= GRID], False, k == len(runs) - 1)
         else:
             fit(first, last, list(pts), k == 0, k == len(runs) - 1)
@@ -774,8 +802,10 @@ def _simulate(model: Piecewise, plan: list[list[int]], config: Any, capacity: in
     """Replay ``plan`` through one simulated allocator, step by step.
 
     With ``settle``, stop at the end of a step once at least
-    :data:`DEFAULT_STEPS_MIN` micro-batches ran and reserved memory has not
-    grown over the last :data:`STEADY_WINDOW` micro-batches.
+    :data:`DEFAULT_STEPS_MIN` micro-batches ran, the plan's longest
+    micro-batch among them, and reserved memory has not grown over the last
+    :data:`STEADY_WINDOW` micro-batches (compared with a step after the
+    first).
     """
     from llmem_plugin.allocator import CachingAllocator, SimulatedOOM
 
@@ -801,15 +831,20 @@ def _simulate(model: Piecewise, plan: list[list[int]], config: Any, capacity: in
         return peak
 
     done: list[int] = []  # micro-batches replayed by the end of each step
+    longest = max(max(lengths) for lengths in plan)
+    # The run's longest micro-batch, however rare, shapes the cache: no steady state before it has run.
+    first_longest = next(n for n, lengths in enumerate(plan) if max(lengths) == longest)
     try:
         feed(c.setup(plan[0][0]))
         for n, lengths in enumerate(plan):
             step_alloc.append(feed(c.step(n, lengths)))
             step_res.append(st.peak_reserved)
             done.append((done[-1] if done else 0) + len(lengths))
-            if settle and done[-1] >= DEFAULT_STEPS_MIN:
-                back = max(bisect.bisect_right(done, done[-1] - STEADY_WINDOW) - 1, 0)
-                if step_res[-1] == step_res[back]:
+            if settle and done[-1] >= DEFAULT_STEPS_MIN and n >= first_longest:
+                # Against the last step at least a window back, and never step 0 (the first iteration, which
+                # creates the optimizer states): with a long accumulation a window is under one step.
+                back = bisect.bisect_right(done, done[-1] - STEADY_WINDOW) - 1
+                if 1 <= back < n and step_res[-1] == step_res[back]:
                     break
     except SimulatedOOM:
         oom = True

@@ -425,7 +425,7 @@ class Workload:
             documents' boundaries: ``collator`` (among the inputs, TRL's
             padding-free collator) or ``positions`` (found from the position
             ids in every attention call: transformers'
-            ``DataCollatorWithFlattening``, Axolotl's multipack).
+            ``DataCollatorWithFlattening``).
     """
 
     seq_len: int = 2048
@@ -630,4 +630,6 @@ class Workload:
             "load": self.load,
             "images": self.images,
             "freeze_vision": self.freeze_vision,
+            "packed_docs": self.packed_docs,
+            "packed_boundaries": self.packed_boundaries,
         }

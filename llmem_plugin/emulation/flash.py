@@ -24,10 +24,11 @@ Sources:
 
 Known limitations:
 
-* Packed batches reach ``flash_attn_varlen_func`` with the collator's
-  sequence boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``), which is
-  modelled; padding masks (``_upad_input``, data-dependent ``nonzero``) and
-  paged caches raise :class:`UnsupportedError`.
+* Packed batches reach ``flash_attn_varlen_func`` with their documents'
+  boundaries, from the collator or found from the positions
+  (:mod:`llmem_plugin.packing`), which is modelled; padding masks
+  (``_upad_input``, a data-dependent ``nonzero``, refused in ``_attention``)
+  and paged caches raise :class:`UnsupportedError`.
 * ``seqlenq_ngroups_swapped`` (s_q == 1 with GQA) changes only the layout of
   ``out``/``softmax_lse``, not their sizes; the layout is not reproduced.
 * Dropout values come from a CPU generator, not flash-attn's Philox stream.
@@ -176,7 +177,9 @@ def _packed_sequence(position_ids, batch_size) -> bool:
     if position_ids is None or batch_size != 1 or position_ids.shape[-1] == 1:
         return False
     start = torch.arange(position_ids.shape[1], device=position_ids.device) + position_ids.min()
-    (start - position_ids).abs().sum().bool()
+    packed = (start - position_ids).abs().sum().bool()
+    if sdpa._has_values(position_ids):  # a real row: transformers' own answer
+        return bool(packed)
     lengths = packing.documents()
     return lengths is not None and len(lengths) > 1
 
@@ -207,6 +210,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' ``flash_attention_forward`` [T] with our flash functions."""
     from transformers.integrations.flash_attention import flash_attention_forward
 
+    if attention_mask is not None:
+        raise UnsupportedError("flash_attention_2 with a padding mask (transformers' _upad_input, a nonzero whose "
+                               "size the mask's values decide) is not modelled. HINT: trace unpadded batches, or "
+                               "pass --attn sdpa")
     _install_functions()
     mfau = _hooks()
     originals = mfau._is_packed_sequence, mfau.prepare_fa_kwargs_from_position_ids
@@ -439,7 +446,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     from llmem_plugin import packing
 
     lengths = packing.documents()
-    if lengths:  # a traced packed row: its longest document (transformers' .item() of a fake tensor is no value)
+    if lengths and not sdpa._has_values(q):  # a fake row's longest document: transformers' .item() gave no value
         max_seqlen_q = max_seqlen_k = max(lengths)
     if int(max_seqlen_q) == 1:
         raise UnsupportedError("flash_attn_varlen_func with one query per sequence (decoding) is not modelled. "

@@ -124,10 +124,10 @@ def test_boundaries_from_positions_allocate_what_transformers_does():
     got = {}
     for name, fn in (("transformers", mfau.prepare_fa_kwargs_from_position_ids), ("emulated", _fa_kwargs_from_positions)):
         rec = Recorder(pos)
-        with rec:
+        with rec, packing.tracing(packing.doc_lengths(128, 3)):
             (cu, _), (longest, _) = fn(pos)
         got[name] = (cu.tolist(), int(longest), Counter(rec.allocs["fwd"]))
-    packing.set_documents(None)
+    assert packing.documents() is None  # only within the block
     assert got["emulated"] == got["transformers"]
     assert got["transformers"][:2] == ([0, 42, 84, 128], 44)
 
@@ -157,6 +157,9 @@ def test_documents_change_only_the_kernel_padding():
 def test_unmodelled_packing_is_refused(kw, match):
     with pytest.raises(ConfigError, match=match):
         check_supported("single", Workload(**{**_packed(2).__dict__, **kw}))
+
+
+def test_other_methods_and_too_many_documents_are_refused():
     with pytest.raises(ConfigError, match="not modelled yet"):
         check_supported("ddp", _packed(2))
     with pytest.raises(ConfigError, match="packed_docs must be"):
@@ -181,3 +184,6 @@ def test_cli(capsys):
     assert main(args) == EXIT_BAD_INPUT  # default attention: refused in one line
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "HINT" in err and "Traceback" not in err
+    # On two GPUs every method refuses; the line names a method's own reason, not 'single's GPU count.
+    assert main([*args, "--attn", "flash_attention_2", "--gpus", "2"]) == EXIT_BAD_INPUT
+    assert "ddp: --packed-docs under ddp is not modelled yet" in capsys.readouterr().err

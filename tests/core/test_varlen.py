@@ -138,3 +138,36 @@ def test_cli(capsys, tmp_path):
     assert code == 2 and "--seq-lens" in err and err.count("\n") == 1
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-lens", "9:3")
     assert code == 2 and "MIN 9 exceeds MAX 3" in err
+
+
+def _synthetic(switch: int):
+    """A step whose event structure changes at ``switch`` tokens (one more allocation from there), with
+    sizes in 512-byte blocks: 4 bytes a token (a step function on a 32-token grid), 4096 bytes a token,
+    and a buffer padded to 128 tokens (flash attention's softmax_lse)."""
+    from llmem_plugin.tracker import round_allocation
+
+    def trace(s):
+        sizes = [round_allocation(4 * s), round_allocation(4096 * s), round_allocation(256 * varlen._round_up(s, 128))]
+        if s >= switch:
+            sizes.append(round_allocation(64 * s))
+        events = [(1, k, n) for k, n in enumerate(sizes)] + [(-1, k, 0) for k in range(len(sizes))]
+        return varlen._Traced(events, ["forward"] * len(events), (2, 2, 2, 2))
+
+    return trace
+
+
+@pytest.mark.parametrize("switch,needed", [
+    (100, list(range(33, 127))),   # a structure switch off the 32-token grid below 128
+    (300, list(range(130, 600))),  # and above 128, leaving two 128-token grid lengths below it
+    (40, list(range(33, 300))),    # a switch below 128 in a run that goes on past 128
+])
+def test_regime_ends_off_the_grid_are_derived_never_below_the_true_sizes(switch, needed):
+    trace = _synthetic(switch)
+    model = varlen.piecewise(needed, trace)
+    for s in needed:
+        der, true = model.at(s), trace(s)
+        assert (der.signs, der.keys) == ([e[0] for e in true.events], [e[1] for e in true.events])
+        sizes = der.sizes(s)
+        for i, e in enumerate(true.events):
+            assert sizes[i] == e[2] if der.exact[i] else sizes[i] >= e[2], (s, i)
+    assert model.traces < len(needed) / 2  # derived, not traced length by length

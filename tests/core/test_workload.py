@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmem_plugin.cli import EXIT_BAD_INPUT, main
@@ -61,6 +63,12 @@ def test_to_dict_round_trips_through_the_constructor():
     back = Workload(**d, lora=LoraSpec(rank=lora["rank"], alpha=lora["alpha"],
                                        target_modules=tuple(lora["target_modules"]), dropout=lora["dropout"]))
     assert back.to_dict() == d | {"lora": lora} and back.quantize is wl.quantize
+    assert set(d) | {"lora"} == {f.name for f in dataclasses.fields(Workload)}  # every field carried
+
+
+def test_to_dict_carries_packing():
+    wl = Workload(seq_len=64, packed_docs=4, packed_boundaries="positions", attn_implementation="flash_attention_2")
+    assert Workload(**wl.to_dict()) == wl
 
 
 def test_cli_flags_reach_the_workload(monkeypatch):
