@@ -130,7 +130,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="padding-free packing: each micro-batch's --batch-size x --seq-len tokens in one row of N "
                         "documents, their boundaries passed to flash attention's varlen kernel (TRL's padding-free "
                         "collator; needs --attn flash_attention_2; docs/techniques/packing.md)")
-    g.add_argument("--packed-boundaries", default=None, choices=("collator", "positions"),
+    g.add_argument("--packed-boundaries", default="collator", choices=("collator", "positions"),
                    help="with --packed-docs, how the model gets the documents' boundaries: collator (among the "
                         "inputs, TRL's padding-free collator; the default) or positions (found from the position "
                         "ids in every attention call, after transformers' DataCollatorWithFlattening)")
@@ -380,7 +380,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "images": getattr(args, "images", None),
         "freeze_vision": getattr(args, "freeze_vision", False),
         "packed_docs": getattr(args, "packed_docs", None),
-        "packed_boundaries": getattr(args, "packed_boundaries", None) or "collator",
+        "packed_boundaries": getattr(args, "packed_boundaries", "collator"),
     }
 
 
@@ -926,9 +926,12 @@ def _validate_published(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
+    def stats(what: str, s: dict) -> str:
+        return (f"{what}: {s['rows']} rows, mean |err| {s['mean_abs_pct']:.1f}%, mean signed "
+                f"{s['mean_signed_pct']:+.1f}%, max |err| {s['max_abs_pct']:.1f}%")
+
     for metric, s in result["summary"].items():
-        table = Table(title=f"{metric}: {s['rows']} rows, mean |err| {s['mean_abs_pct']:.1f}%, "
-                            f"mean signed {s['mean_signed_pct']:+.1f}%, max |err| {s['max_abs_pct']:.1f}%")
+        table = Table(title=stats(metric, s))
         for col in ("id", "measured GiB", "predicted GiB", "error"):
             table.add_column(col, overflow="fold")
         for r in result["rows"]:
@@ -936,10 +939,8 @@ def _validate_published(args: argparse.Namespace) -> int:
                 table.add_row(r["id"], f"{r['measured'] / 2**30:.2f}", f"{r['predicted'] / 2**30:.2f}",
                               f"{r['error_pct']:+.1f}%")
         console.print(table)
-    pooled = result["reserved_pooled"]
-    if pooled:
-        console.print(f"reserved memory, both metrics: {pooled['rows']} rows, mean |err| {pooled['mean_abs_pct']:.1f}%, "
-                      f"mean signed {pooled['mean_signed_pct']:+.1f}%, max |err| {pooled['max_abs_pct']:.1f}%")
+    if result["reserved_pooled"]:
+        console.print(stats("reserved memory, both metrics", result["reserved_pooled"]))
     refused = [r for r in result["rows"] if r["status"] == "modelled" and r["error"]]
     for r in refused:
         console.print(f"refused: {r['id']}: {r['error']}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,40 +94,29 @@ def unsupported(method: str, workload: Any) -> str | None:
     return None
 
 
-def packed_batch(b: int, s: int, docs: int, vocab: int, *, fake: bool,
+def packed_batch(lengths: list[int], vocab: int, *, fake: bool,
                  boundaries: str = "collator") -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """``input_ids``, ``labels`` and the other inputs of a packed row of ``b`` x ``s`` tokens.
+    """``input_ids``, ``labels`` and the other inputs of a packed row of documents of these lengths.
 
     Each tensor is one allocation, made in the order the Trainer moves the
     collator's keys to the GPU (the collator builds them on the CPU). With
     ``boundaries="positions"`` the row carries its positions only
     (transformers' ``DataCollatorWithFlattening`` by default). The step
-    traces it within :func:`tracing` of the same :func:`doc_lengths`.
+    traces it within :func:`tracing` of the same lengths.
     """
     from llmem_plugin._pause import untracked
 
-    total = b * s
-    lengths = doc_lengths(total, docs)
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(lengths)]
     gen = None if fake else torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, vocab, (1, total), generator=gen)
+    input_ids = torch.randint(0, vocab, (1, starts[-1]), generator=gen)
     labels = input_ids.clone()
     with untracked():  # the collator's CPU tensors; what reaches the GPU is their copies below
         if not fake:
             labels[0, starts[:-1]] = -100  # TRL: labels[position_ids == 0] = -100
-        host = {
-            "position_ids": torch.tensor([i for n in lengths for i in range(n)]).unsqueeze(0),
-            "cu_seq_lens_q": torch.tensor(starts, dtype=torch.int32),
-            "cu_seq_lens_k": torch.tensor(starts, dtype=torch.int32),
-            "seq_idx": torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)[None],
-        }
-    if boundaries == "positions":  # input_ids, labels and position_ids only
-        return input_ids, labels, {"position_ids": host["position_ids"].clone()}
-    longest = max(lengths)
-    return input_ids, labels, {"position_ids": host["position_ids"].clone(),
-                               "cu_seq_lens_q": host["cu_seq_lens_q"].clone(),
-                               "cu_seq_lens_k": host["cu_seq_lens_k"].clone(),
-                               "max_length_q": longest, "max_length_k": longest,
-                               "seq_idx": host["seq_idx"].clone()}
+        host: dict[str, Any] = {"position_ids": torch.tensor([i for n in lengths for i in range(n)])[None]}
+        if boundaries == "collator":
+            host["cu_seq_lens_q"] = torch.tensor(starts, dtype=torch.int32)
+            host["cu_seq_lens_k"] = torch.tensor(starts, dtype=torch.int32)
+            host["max_length_q"] = host["max_length_k"] = max(lengths)
+            host["seq_idx"] = torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32)[None]
+    return input_ids, labels, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in host.items()}

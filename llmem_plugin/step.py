@@ -264,6 +264,7 @@ def trace_step(
 
     params = [p for p in model.parameters()]
     labels_for = model  # the task's labels, read before a wrapper hides the model's class
+    documents = doc_lengths(b * s, workload.packed_docs) if workload.packed_docs is not None else None
     if workload.packed_docs is not None:
         from llmem_plugin.tasks import Task, model_task
 
@@ -292,8 +293,7 @@ def trace_step(
     hooks = hooks if hooks is not None else StepHooks()
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
         # A packed row's documents, for the attention emulation, within this trace only.
-        stack.enter_context(packing_tracing(
-            doc_lengths(b * s, workload.packed_docs) if workload.packed_docs is not None else None))
+        stack.enter_context(packing_tracing(documents))
         for ctx in contexts:
             stack.enter_context(ctx)
         if offload:
@@ -320,8 +320,7 @@ def trace_step(
                     tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
                     gen = torch.Generator().manual_seed(0) if fake_mode is None else None
                     if workload.packed_docs is not None:  # one padding-free row (llmem_plugin.packing)
-                        input_ids, labels, extra = packed_batch(b, s, workload.packed_docs, vocab_size,
-                                                                fake=fake_mode is not None,
+                        input_ids, labels, extra = packed_batch(documents, vocab_size, fake=fake_mode is not None,
                                                                 boundaries=workload.packed_boundaries)
                     else:
                         input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)

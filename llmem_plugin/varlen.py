@@ -367,7 +367,7 @@ def _alike(traced: dict[int, _Traced], base: int, others: tuple[int, ...]) -> _T
     return traced[base]
 
 
-def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, unit: int = GRID) -> Derivation:
+def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int) -> Derivation:
     """Fit every event's size through the grid traces and classify it with the check trace.
 
     Raises:
@@ -381,7 +381,7 @@ def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, u
         actual = traced[check].events[i][2]
         if _at(coef, check) == actual:
             exact.append(True)
-        elif _at(coef, _round_up(check, unit)) >= actual:
+        elif _at(coef, _round_up(check, GRID)) >= actual:
             exact.append(False)
         else:
             raise UnsupportedError(
@@ -389,7 +389,7 @@ def derive(traced: dict[int, _Traced], grid: tuple[int, int, int], check: int, u
                 f"bound ({actual} bytes at {check} tokens). HINT: estimate the longest length with --seq-len alone")
         coefs.append(coef)
     return Derivation((*grid, check), [e[0] for e in first.events], [e[1] for e in first.events], first.bounds,
-                      coefs, exact, unit=unit)
+                      coefs, exact)
 
 
 def derive_fine(traced: dict[int, _Traced], pts: list[int], checks: tuple[int, ...]) -> Derivation:
@@ -577,7 +577,7 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
         g = (pts[0], pts[len(pts) // 2], pts[-1])
         check = pts[0] + GRID // 2 + 1
         try:
-            regimes.append((first, last, derive({s: t(s) for s in (*g, check)}, g, check, GRID)))
+            regimes.append((first, last, derive({s: t(s) for s in (*g, check)}, g, check)))
         except UnsupportedError:  # a size no quadratic bounds (a kernel's launch arithmetic)
             if wanted(first, last) > _MAX_EXACT_TRACES:
                 raise

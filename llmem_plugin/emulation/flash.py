@@ -274,6 +274,23 @@ def _maybe_contiguous(t: torch.Tensor) -> torch.Tensor:  # [I] maybe_contiguous
     return t.contiguous() if t.stride(-1) != 1 else t
 
 
+def _pad_head(d_og: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[I] FlashAttnFunc / FlashAttnVarlenFunc pad the head dim to a multiple of 8 (``F.pad``)."""
+    return tuple(F.pad(t, [0, 8 - d_og % 8]) for t in tensors) if d_og % 8 else tensors
+
+
+def _grads_out(dq, dk, dv, dk_e, dv_e, d_og):
+    """GQA: the expanded dk/dv summed into dk/dv ([F] ``at::sum_out(dk, reshape(dk_expanded, {..., h_k,
+    h / h_k, d}), {-2})``); the grads sliced back to the original head dim."""
+    if dk_e is not dk:
+        h_k = dk.size(-2)
+        for e, out in ((dk_e, dk), (dv_e, dv)):
+            torch.sum(e.reshape(*e.shape[:-2], h_k, e.size(-2) // h_k, e.size(-1)), dim=-2, out=out)
+    if d_og % 8:
+        dq, dk, dv = dq[..., :d_og], dk[..., :d_og], dv[..., :d_og]
+    return dq, dk, dv
+
+
 def _check_inputs(q, k, v, target) -> None:
     if q.dtype not in _HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ConfigError(f"flash_attention_2 got q/k/v in {q.dtype}/{k.dtype}/{v.dtype}; flash-attn takes fp16 or "
@@ -356,8 +373,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         target = sdpa._active_target
         _check_inputs(q, k, v, target)
         d_og = q.size(3)
-        if d_og % 8:  # [I] FlashAttnFunc.forward pads the head dim to a multiple of 8
-            q, k, v = (F.pad(t, [0, 8 - d_og % 8]) for t in (q, k, v))
+        q, k, v = _pad_head(d_og, q, k, v)
         qc, kc, vc = (_maybe_contiguous(t) for t in (q, k, v))
         b, s_q, h, d = qc.shape
         s_k = kc.size(1)
@@ -387,7 +403,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         q, k, v, out, _lse, _rng_state = ctx.saved_tensors
         d_og, dropout_p, scale, causal, window, softcap, deterministic, seed, target = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dout_p = F.pad(dout, [0, 8 - d_og % 8]) if d_og % 8 else dout
+        (dout_p,) = _pad_head(d_og, dout)
         dout_c, qc, kc, vc, out_c = (_maybe_contiguous(t) for t in (dout_p, q, k, v, out))
         b, s_q, h, d = qc.shape
         s_k, h_k = kc.size(1), kc.size(2)
@@ -407,12 +423,8 @@ class _FlashAttnFunc(torch.autograd.Function):
                 dk_e.copy_(gk)
                 dv_e.copy_(gv)
                 del gq, gk, gv
-        if gqa:  # [F] mha_bwd: at::sum_out(dk, reshape(dk_expanded, {b, s_k, h_k, h / h_k, d}), {3})
-            torch.sum(dk_e.reshape(b, s_k, h_k, h // h_k, d), dim=3, out=dk)
-            torch.sum(dv_e.reshape(b, s_k, h_k, h // h_k, d), dim=3, out=dv)
+        dq, dk, dv = _grads_out(dq, dk, dv, dk_e, dv_e, d_og)  # [F] mha_bwd
         del dk_e, dv_e, dq_accum, softmax_d, dout_c, qc, kc, vc, out_c, dout_p
-        if d_og % 8:
-            dq, dk, dv = dq[..., :d_og], dk[..., :d_og], dv[..., :d_og]
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -486,8 +498,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         target = sdpa._active_target
         _check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), target)
         d_og = q.size(-1)
-        if d_og % 8:  # [I] FlashAttnVarlenFunc.forward pads the head dim to a multiple of 8
-            q, k, v = (F.pad(t, [0, 8 - d_og % 8]) for t in (q, k, v))
+        q, k, v = _pad_head(d_og, q, k, v)
         qc, kc, vc = (_maybe_contiguous(t) for t in (q, k, v))
         total_q, h, _ = qc.shape
         out = torch.empty_like(qc)
@@ -509,7 +520,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         q, k, v, out, _lse, cu_q, cu_k, _rng_state = ctx.saved_tensors
         d_og, dropout_p, scale, causal, window, softcap, deterministic, seed, target = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dout_p = F.pad(dout, [0, 8 - d_og % 8]) if d_og % 8 else dout
+        (dout_p,) = _pad_head(d_og, dout)
         dout_c, qc, kc, vc, out_c = (_maybe_contiguous(t) for t in (dout_p, q, k, v, out))
         total_q, h, d = qc.shape
         total_k, h_k = kc.size(0), kc.size(1)
@@ -531,11 +542,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
                 dk_e.copy_(torch.cat([g[1][0] for g in grads]))
                 dv_e.copy_(torch.cat([g[2][0] for g in grads]))
                 del grads
-        if gqa:  # [F] mha_varlen_bwd: at::sum_out(dk, reshape(dk_expanded, {total_k, h_k, h / h_k, d}), {2})
-            torch.sum(dk_e.reshape(total_k, h_k, h // h_k, d), dim=2, out=dk)
-            torch.sum(dv_e.reshape(total_k, h_k, h // h_k, d), dim=2, out=dv)
+        dq, dk, dv = _grads_out(dq, dk, dv, dk_e, dv_e, d_og)  # [F] mha_varlen_bwd
         del dk_e, dv_e, dq_accum, softmax_d, dout_c, qc, kc, vc, out_c, dout_p
-        if d_og % 8:
-            dq, dk, dv = dq[..., :d_og], dk[..., :d_og], dv[..., :d_og]
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 

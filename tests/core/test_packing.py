@@ -105,7 +105,7 @@ def test_packed_inputs_are_what_the_padding_free_collator_sends():
     fake, _ = fake_and_real(tiny_config("llama"), _packed(n))
     assert fake.peak_phase.value == "backward"  # the micro-step's inputs are alive at the peak
     assert fake.breakdown[MemoryCategory.INPUT] == sum(r(x, 512) for x in sizes)  # CUDA's 512-byte blocks
-    _, labels, extra = packing.packed_batch(2, 64, n, 100, fake=False)
+    _, labels, extra = packing.packed_batch(packing.doc_lengths(2 * 64, n), 100, fake=False)
     assert extra["position_ids"].tolist()[0] == [*range(42), *range(42), *range(44)]
     assert extra["cu_seq_lens_q"].tolist() == [0, 42, 84, 128] and extra["max_length_q"] == 44
     assert (labels[0, [0, 42, 84]] == -100).all()  # the first token of each document
@@ -118,7 +118,7 @@ def test_boundaries_from_positions_allocate_what_transformers_does():
 
     from llmem_plugin.emulation.flash import _fa_kwargs_from_positions
 
-    _, _, extra = packing.packed_batch(2, 64, 3, 100, fake=False, boundaries="positions")
+    _, _, extra = packing.packed_batch(packing.doc_lengths(2 * 64, 3), 100, fake=False, boundaries="positions")
     assert list(extra) == ["position_ids"]  # DataCollatorWithFlattening's row: no boundaries among the inputs
     pos = extra["position_ids"]
     got = {}
