@@ -241,6 +241,19 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "default with --quantize nf4-torchao and with a litgpt:NAME model)")
 
 
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("config file", "read the job from the file its framework runs (docs/recipes.md); "
+                             "options given here override the file's")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="an Axolotl, LLaMA-Factory, torchtune or TRL (SFTConfig/TrainingArguments) YAML or JSON "
+                        "file; its memory keys become the options below, the rest are listed")
+    g.add_argument("--config-format", default=None, choices=("axolotl", "llamafactory", "torchtune", "trl"),
+                   help="the file's framework (default: told from its keys)")
+    g.add_argument("--model-config", default=None, metavar="PATH",
+                   help="with --config, the config.json of the file's model, for a model the catalog lacks "
+                        "(nothing is downloaded)")
+
+
 def _add_gpu_args(p: argparse.ArgumentParser) -> None:
     p = p.add_argument_group("GPU and environment")
     p.add_argument("--gpu", default=None, help="GPU from `llmem gpus` (default h100-sxm)")
@@ -479,6 +492,7 @@ def _choose_precision(args: argparse.Namespace) -> None:
 
 def _parser_estimate(sub) -> None:
     p = sub.add_parser("estimate", help="peak GPU memory of one fine-tuning step on one GPU")
+    _add_config_args(p)
     _add_workload_args(p)
     _add_target_args(p)
     g = p.add_argument_group("distributed method")
@@ -555,16 +569,18 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         raise ConfigError(f"no method applies to {num_gpus} GPU(s): {name}: {why}. "
                           "HINT: see `llmem estimate --method help`, or change --gpus/--tp/--offload")
     if args.json:
-        print(json.dumps({"gpu": gpu.name, "capacity_bytes": gpu.capacity_bytes, "layout": layout.to_dict(),
+        _emit_json(args, {"gpu": gpu.name, "capacity_bytes": gpu.capacity_bytes, "layout": layout.to_dict(),
                           "host_memory": host.to_dict(),
                           "methods": [r.to_dict() for r in rows],
-                          "skipped": [{"method": n, "reason": why} for n, why in skipped]}))
+                          "skipped": [{"method": n, "reason": why} for n, why in skipped]})
     else:
         from rich.console import Console
 
         from llmem_plugin.report import render_methods
 
-        render_methods(rows, skipped, gpu, Console(), host=host)
+        console = Console()
+        _render_recipe(args, console)
+        render_methods(rows, skipped, gpu, console, host=host)
     if not any(all(r.fits for r in est.ranks) for est in rows):
         what = f"--method {args.method} does not fit" if args.method != "all" else "no method fits"
         print(f"llmem: {what} {num_gpus} x {gpu.name} ({_size(gpu.capacity_bytes)} each); exit code "
@@ -638,13 +654,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
         plot_estimate(est, args.plot)
     if args.json:
-        print(json.dumps(est.to_dict()))
+        _emit_json(args, est.to_dict())
     else:
         from rich.console import Console
 
         from llmem_plugin.report import render_estimate
 
-        render_estimate(est, Console())
+        console = Console()
+        _render_recipe(args, console)
+        render_estimate(est, console)
     if not est.fits:
         print(f"llmem: the step does not fit the {gpu.name} ({_size(est.capacity_bytes)}); exit code "
               f"{EXIT_WONT_FIT}. HINT: `llmem plan` searches methods, micro-batch, checkpointing and offload for "
@@ -665,13 +683,15 @@ def _cmd_varlen(args: argparse.Namespace, gpu, wl) -> int:
     v = estimate_variable_length(args.model, wl, args.seq_lens, steps=args.steps, fast=args.fast, gpu=gpu,
                                  alloc_conf=args.alloc_conf, torch_version=args.torch_version)
     if args.json:
-        print(json.dumps(v.to_dict()))
+        _emit_json(args, v.to_dict())
     else:
         from rich.console import Console
 
         from llmem_plugin.report import render_varlen
 
-        render_varlen(v, wl, gpu.name, Console())
+        console = Console()
+        _render_recipe(args, console)
+        render_varlen(v, wl, gpu.name, console)
     if not v.fits:
         print(f"llmem: the run does not fit the {gpu.name} ({_size(v.capacity_bytes)}); exit code "
               f"{EXIT_WONT_FIT}. HINT: lower --batch-size or --seq-len (truncation), or add --grad-checkpointing",
@@ -688,11 +708,15 @@ def _host_misfit(need: int, capacity: int, source: str) -> str:
 
 def _parser_plan(sub) -> None:
     p = sub.add_parser("plan", help="pick the fastest fine-tuning method that fits the GPUs, or say why none does")
+    _add_config_args(p)
     g = p.add_argument_group("model and batch")
     g.add_argument("--model", required=True, help="catalog name, config.json path, or cached Hub id")
     g.add_argument("--seq-len", type=_SEQ_LEN, default=2048, help="tokens per sequence (default 2048)")
     g.add_argument("--global-batch", type=_GLOBAL_BATCH, default=None,
-                   help="sequences per optimizer step over all GPUs (default 8 per GPU)")
+                   help="sequences per optimizer step over all GPUs (default 8 per GPU; with --config, the file's "
+                        "micro-batch x accumulation per GPU)")
+    g.add_argument("--runner", default="torch", choices=("torch", "hf-trainer", "lightning", "plain-loop"),
+                   help="the training loop (as for estimate; default torch)")
     g = p.add_argument_group("cluster", "the GPUs the job gets")
     g.add_argument("--gpus", type=_GPUS, default=None, help="GPUs over all nodes (default: this machine's)")
     g.add_argument("--nodes", type=_NODES, default=1, help="nodes (default 1)")
@@ -760,8 +784,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     methods, tps = _csv(args.methods), _csv(args.tp, _TP)
     _choose_precision(args)
     wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=_optimizer(args), lora=_lora(args),
-                  attn_implementation=args.attn, **_technique_fields(args))
+                  attn_implementation=args.attn, runner=args.runner, **_technique_fields(args))
     gpu, n = _plan_target(args)
+    if args.global_batch is None and args.recipe is not None:
+        from llmem_plugin.recipes import global_batch
+
+        args.global_batch = global_batch(args.recipe, n)
     if n % args.nodes:
         raise ConfigError(f"--nodes {args.nodes} must divide the {n} GPUs (every node holds as many). "
                           "HINT: pass a --gpus that is a multiple of --nodes")
@@ -796,13 +824,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   margin=result.margin, chosen=chosen, path=args.plot,
                   title=f"{result.model} on {result.layout.num_gpus} x {result.gpu.name}")
     if args.json:
-        print(json.dumps(result.to_dict()))
+        _emit_json(args, result.to_dict())
     else:
         from rich.console import Console
 
         from llmem_plugin.report import render_plan
 
         console = Console()
+        _render_recipe(args, console)
         render_plan(result, Console(width=max(console.width, 130)), show_all=args.all)
     return code
 
@@ -989,14 +1018,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0, ``EXIT_BAD_INPUT`` (2) or ``EXIT_WONT_FIT`` (3);
         ``--help`` returns 0.
     """
+    from llmem_plugin.errors import LLMemError, WontFitError
+
+    try:
+        argv, recipe = _with_config(list(sys.argv[1:] if argv is None else argv))
+    except LLMemError as e:  # the --config file cannot be read or mapped
+        print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or an option argparse refused (its one line is printed)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    from llmem_plugin.errors import LLMemError, WontFitError
-
+    args.recipe = recipe
     try:
         _check_args(args)
+        _check_config(args)
         return args.func(args)
     except WontFitError as e:
         print(f"llmem: {_one_line(e)}", file=sys.stderr)
@@ -1007,6 +1043,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:
         print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _with_config(argv: list[str]):
+    """``argv`` with the ``--config`` file's options put before the user's (so the user's win), and the recipe."""
+    if not argv or argv[0] not in ("estimate", "plan"):
+        return argv, None
+    path = fmt = None
+    for i, a in enumerate(argv):
+        for flag in ("--config", "--config-format"):
+            if a == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(flag + "="):
+                value = a.split("=", 1)[1]
+            else:
+                continue
+            if flag == "--config":
+                path = value
+            else:
+                fmt = value
+    if path is None:
+        return argv, None
+    from llmem_plugin.recipes import command_argv, read_recipe
+
+    recipe = read_recipe(path, fmt)
+    return [argv[0], *command_argv(recipe, argv[0], argv[1:]), *argv[1:]], recipe
+
+
+def _check_config(args: argparse.Namespace) -> None:
+    """``--model-config`` replaces the file's model; a file's model must be in the catalog or a local path."""
+    import os
+
+    from llmem_plugin.errors import ConfigError
+
+    if getattr(args, "model_config", None) is not None:
+        if args.recipe is None:
+            raise ConfigError(f"--model-config {args.model_config!r} names the model of a --config file. HINT: "
+                              f"without --config pass --model {args.model_config}")
+        if not os.path.exists(args.model_config):
+            raise ConfigError(f"--model-config {args.model_config!r}: no such file. HINT: pass the model's "
+                              "config.json")
+        args.model = args.model_config
+        return
+    if args.recipe is not None and args.model == args.recipe.options.get("--model"):
+        from llmem_plugin import catalog
+        from llmem_plugin.litgpt import is_litgpt_source
+
+        if catalog.lookup(args.model) is None and not os.path.exists(args.model) and not is_litgpt_source(args.model):
+            key = next((m.key for m in args.recipe.mapped if m.option.startswith("--model ")), "model")
+            raise ConfigError(f"{os.path.basename(args.recipe.path)}: {key}={args.model} is not in the bundled "
+                              "catalog, and nothing is downloaded. HINT: pass --model-config path/to/config.json "
+                              "(the model's config), or --model with a catalog name from `llmem models`")
+
+
+def _emit_json(args: argparse.Namespace, result: dict) -> None:
+    if getattr(args, "recipe", None) is not None:
+        result = {**result, "config": args.recipe.to_dict()}
+    print(json.dumps(result))
+
+
+def _render_recipe(args: argparse.Namespace, console) -> None:
+    if getattr(args, "recipe", None) is not None:
+        from llmem_plugin.report import render_recipe
+
+        render_recipe(args.recipe, console)
 
 
 def _size(nbytes: int) -> str:

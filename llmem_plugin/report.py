@@ -460,3 +460,17 @@ def render_varlen(v, wl, gpu_name: str, console: Console) -> None:
     console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
     if wl.quantize is not None:
         console.print(f"QLoRA: {qlora_path(wl)}")
+
+
+def render_recipe(recipe, console: Console) -> None:
+    """The ``--config`` file as read: each memory key and the option it became, the keys not modelled, the notes."""
+    table = Table(title=f"{recipe.path} ({recipe.framework})", title_justify="left")
+    for column in ("key", "value", "llmem option"):
+        table.add_column(column, overflow="fold")
+    for m in recipe.mapped:
+        table.add_row(m.key, m.value, m.option or "(default)")
+    console.print(table)
+    for n in recipe.not_modelled:
+        console.print(f"not modelled: {n.key}={n.value} ({n.why})", markup=False)
+    for note in recipe.notes:
+        console.print(f"note: {note}", markup=False)

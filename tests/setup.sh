@@ -10,6 +10,11 @@
 #     no kernel is compiled;
 #   - litgpt 0.4.13 without its dependencies (below), whose own model class
 #     `llmem estimate --model litgpt:NAME` traces;
+#   - the fine-tuning frameworks whose own config loaders check `--config`'s
+#     mapping (tests/recipes/), without their dependencies, to .frameworks/
+#     (not the project's environment: omegaconf needs antlr4 4.9, and Axolotl
+#     and LLaMA-Factory pin other transformers); the probes put it on
+#     PYTHONPATH in a subprocess;
 #   - the stub CUDA device (stubcuda/setup.sh: a second venv with torch's CUDA
 #     build, installed --no-deps, and the C stand-ins).
 # Usage: tests/setup.sh [PYTHON]   (default: python)
@@ -24,4 +29,6 @@ BUILD_EXT=0 "${PIP[@]}" --no-deps "colossalai==0.5.0" "galore_torch==1.0"
 # (its METADATA), which a resolver would force; what its model, LoRA and utils modules import
 # (Lightning, transformers' tokenizers and hub client, PyYAML) the test extra brings.
 "${PIP[@]}" --no-deps "litgpt==0.4.13"
+rm -rf .frameworks
+"${PIP[@]}" --no-deps --target .frameworks "torchtune==0.6.1" "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3"
 stubcuda/setup.sh "$PY"
