@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
 import os
 import warnings
@@ -39,6 +38,7 @@ from transformers import TrainerCallback
 
 from llmem_plugin import checkpointing
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
+from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
 from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
 from llmem_plugin.workload import Precision, Workload
 
@@ -80,15 +80,7 @@ def _deepspeed_config(args: Any) -> dict[str, Any] | None:
     if hf is not None and isinstance(getattr(hf, "config", None), dict):
         return hf.config  # with the "auto" values the Trainer filled
     ds = getattr(args, "deepspeed", None)
-    if not ds:
-        return None
-    if isinstance(ds, dict):
-        return ds
-    try:
-        with open(ds, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read the DeepSpeed config '{ds}': {e}. HINT: pass a JSON file or a dict")
+    return read_deepspeed_config(ds) if ds else None
 
 
 def job_of(args: Any) -> Job:
@@ -102,13 +94,8 @@ def job_of(args: Any) -> Job:
     nodes = max(1, world // max(1, local))
     ds = _deepspeed_config(args)
     if ds is not None:
-        zero = ds.get("zero_optimization", {}) or {}
-        stage = int(zero.get("stage", 0))
-        if stage not in (1, 2, 3):
-            raise UnsupportedError(f"DeepSpeed ZeRO stage {stage} is not modelled. HINT: use stage 1, 2 or 3")
-        off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-        off_par = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
-        return Job(f"zero{stage}", world, nodes, {"config": ds, "offload_optimizer": off_opt, "offload_param": off_par})
+        method, off_opt, off_par = deepspeed_method(ds)
+        return Job(method, world, nodes, {"config": ds, "offload_optimizer": off_opt, "offload_param": off_par})
     fsdp = getattr(args, "fsdp", None) or []
     if isinstance(fsdp, str):
         fsdp = fsdp.split()

@@ -504,6 +504,10 @@ def _parser_estimate(sub) -> None:
     g.add_argument("--tp", type=_TP, default=None, help="tensor-parallel degree, inside a node (default 1)")
     g.add_argument("--offload", choices=("optimizer", "params"), default=None,
                    help="CPU offload: optimizer states, or parameters too (ZeRO, FSDP)")
+    g.add_argument("--deepspeed-config", default=None, metavar="JSON",
+                   help="a DeepSpeed config (file or inline JSON): its zero_optimization stage and offload pick "
+                        "the method (zero1/2/3, --offload) and its bucket sizes the buffers; HF's 'auto' values "
+                        "are filled as the Trainer fills them")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallel for the tensor-parallel methods (tp, dp-tp, fsdp-tp)")
     g = p.add_argument_group("output")
@@ -531,6 +535,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     options = {}
     if args.offload:
         options = {"offload_optimizer": True, "offload_param": args.offload == "params", "cpu_offload": True}
+    if getattr(args, "deepspeed_config", None) is not None:
+        options["config"] = args.deepspeed_config
     if args.sequence_parallel and args.method not in (*_TP_METHODS, "all"):
         raise ConfigError(f"--sequence-parallel needs a tensor-parallel method, not --method {args.method}. "
                           f"HINT: use one of {', '.join(_TP_METHODS)}")
@@ -627,6 +633,8 @@ def _method_layouts(args: argparse.Namespace, names: list[str], layout):
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from llmem_plugin.errors import ConfigError
 
+    if args.deepspeed_config is not None:
+        _deepspeed_args(args)
     if args.method is not None or args.gpus not in (None, 1) or args.tp not in (None, 1) or args.nodes != 1 \
             or args.offload:
         if args.plot:
@@ -698,6 +706,22 @@ def _cmd_varlen(args: argparse.Namespace, gpu, wl) -> int:
               file=sys.stderr)
         return EXIT_WONT_FIT
     return 0
+
+
+def _deepspeed_args(args: argparse.Namespace) -> None:
+    """``--deepspeed-config``: read it, and take its method and offload unless the flags name them."""
+    from llmem_plugin.errors import ConfigError
+    from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
+
+    args.deepspeed_config = read_deepspeed_config(args.deepspeed_config)
+    method, off_opt, off_par = deepspeed_method(args.deepspeed_config)
+    if args.method is None:
+        args.method = method
+    elif not args.method.startswith(method):
+        raise ConfigError(f"--deepspeed-config is ZeRO {method[-1]}, --method is {args.method}. HINT: drop --method, "
+                          "or pass a config of that stage")
+    if args.offload is None and off_opt:
+        args.offload = "params" if off_par else "optimizer"
 
 
 def _host_misfit(need: int, capacity: int, source: str) -> str:

@@ -216,6 +216,49 @@ class ZeroConfig:
         return cls(stage=stage, offload_optimizer=opt_dev, offload_param=par_dev, **kwargs)
 
 
+def read_deepspeed_config(source: str | dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config: a dict, inline JSON text, or the path of a JSON file.
+
+    Raises:
+        ConfigError: The file is missing or not a JSON object.
+    """
+    if isinstance(source, dict):
+        return source
+    import json
+
+    text = source.strip()
+    try:
+        if text.startswith("{"):
+            ds = json.loads(text)
+        else:
+            with open(source, encoding="utf-8") as f:
+                ds = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the DeepSpeed config {source!r}: {' '.join(str(e).split())}. HINT: pass a "
+                          "JSON file or a dict") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"the DeepSpeed config {source!r} is not a JSON object. HINT: pass a ZeRO config")
+    return ds
+
+
+def deepspeed_method(ds: dict[str, Any]) -> tuple[str, bool, bool]:
+    """(method, offload_optimizer, offload_param) a DeepSpeed config asks for.
+
+    Raises:
+        UnsupportedError: ZeRO stage 0 (DeepSpeed's own data parallelism) or an unknown stage.
+        ConfigError: An offload device that is not cpu, nvme or none.
+    """
+    zero = ds.get("zero_optimization", {}) or {}
+    try:
+        stage = int(zero.get("stage", 0))
+    except (TypeError, ValueError):
+        raise ConfigError(f"zero_optimization.stage {zero.get('stage')!r} is not 0-3. HINT: set 1, 2 or 3") from None
+    if stage not in (1, 2, 3):
+        raise UnsupportedError(f"DeepSpeed ZeRO stage {stage} is not modelled. HINT: use stage 1, 2 or 3")
+    return (f"zero{stage}", _offload_device(zero.get("offload_optimizer"), False, "offload_optimizer"),
+            _offload_device(zero.get("offload_param"), False, "offload_param"))
+
+
 def _offload_device(section: Any, default: bool, name: str) -> bool:
     if section is None:
         return default
