@@ -1100,6 +1100,16 @@ def _check_config(args: argparse.Namespace) -> None:
 
     from llmem_plugin.errors import ConfigError
 
+    recipe = args.recipe
+    if recipe is not None and recipe.bf16_key and getattr(args, "gpu", None) is not None:
+        from llmem_plugin.gpus import get_gpu
+
+        gpu = get_gpu(args.gpu)
+        if tuple(gpu.compute_capability) < (8, 0):  # bf16 tensor cores start with Ampere (sm_80)
+            raise ConfigError(f"{os.path.basename(recipe.path)}: {recipe.bf16_key} needs bf16, which the {gpu.name} "
+                              f"(compute capability {gpu.compute_capability[0]}.{gpu.compute_capability[1]}) lacks; "
+                              "the framework would fail or train in fp16, which is not modelled. HINT: pass an "
+                              "Ampere or later --gpu, or set fp32 in the file")
     if getattr(args, "model_config", None) is not None:
         if args.recipe is None:
             raise ConfigError(f"--model-config {args.model_config!r} names the model of a --config file. HINT: "

@@ -70,6 +70,7 @@ class Recipe:
         not_modelled: Keys not modelled (the estimate is an upper bound for them) or unknown to the schema.
         notes: What the estimate assumes about the job beyond the file (one line each).
         required: Options the file leaves to the command line (flag -> why), refused when not given there.
+        bf16_key: The key that asks for bf16 (checked against the target GPU), if any.
     """
 
     format: str
@@ -80,6 +81,7 @@ class Recipe:
     not_modelled: list[NotModelled] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     required: dict[str, str] = field(default_factory=dict)
+    bf16_key: str | None = None
 
     def argv(self) -> list[str]:
         """The options as command-line arguments."""
@@ -157,12 +159,22 @@ class Reader:
         """``flag`` must come from the command line: the file leaves it open (``why``)."""
         self.recipe.required[flag] = why
 
-    def finish(self, known: set[str], *, schema: str) -> Recipe:
-        """List every top-level key neither read nor known to the schema as not modelled."""
+    def finish(self, ignored: set[str], *, schema: str, schema_keys: set[str] | None = None) -> Recipe:
+        """List the keys left: set ones of the schema as not read, others as unknown to it.
+
+        Args:
+            ignored: Keys known not to change the step's GPU memory (data, logging, schedules).
+            schema: The schema's name, for the message.
+            schema_keys: Every key of the schema; ``None``: only ``ignored`` and the keys read are known.
+        """
         for key, value in self.raw.items():
-            if key in known or any(s == key or s.startswith(key + ".") for s in self.seen):
+            if key in ignored or any(s == key or s.startswith(key + ".") for s in self.seen):
                 continue
-            self.recipe.not_modelled.append(NotModelled(key, _text(value), f"not a key of {schema}"))
+            if value is None or value is False or value == "" or value == [] or value == {}:
+                continue  # unset: the framework's default, which the keys read already assume
+            why = "not read by the estimate" if schema_keys is not None and key in schema_keys else \
+                f"not a key of {schema}"
+            self.recipe.not_modelled.append(NotModelled(key, _text(value), why))
         return self.recipe
 
 

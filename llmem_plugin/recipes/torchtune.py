@@ -88,7 +88,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
     _distributed(r)
     r.note("torchtune's own TransformerDecoder is estimated with transformers' model of the same shapes "
            "(docs/recipes.md)")
-    return r.finish(_IGNORED, schema=f"torchtune {VERSION}'s recipes")
+    return r.finish(_IGNORED, schema=f"torchtune {VERSION}'s recipes (they never read it)")
 
 
 def _model(r: Reader) -> None:
