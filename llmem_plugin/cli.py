@@ -160,6 +160,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                         "outputs and loss until the next forward returns: litgpt, peft's benchmark)")
     g = p.add_argument_group("activation checkpointing", "what the backward recomputes instead of keeping")
     g.add_argument("--grad-checkpointing", action="store_true", help="non-reentrant gradient checkpointing")
+    g.add_argument("--checkpoint-reentrant", action="store_true",
+                   help="with --grad-checkpointing, torch's reentrant checkpointing (use_reentrant=True; "
+                        "LLaMA-Factory's default)")
     g.add_argument("--checkpoint-every", type=_CHECKPOINT_EVERY, default=1,
                    help="with --grad-checkpointing, checkpoint every K-th layer only (torchtitan's layer-level "
                         "selective AC; default 1: every layer)")
@@ -388,6 +391,7 @@ def _technique_fields(args: argparse.Namespace) -> dict:
         "target_len": getattr(args, "target_len", None),
         "task": getattr(args, "task", None),
         "checkpoint_every": getattr(args, "checkpoint_every", 1),
+        "checkpoint_reentrant": getattr(args, "checkpoint_reentrant", False),
         "checkpoint_save_ops": getattr(args, "checkpoint_save_ops", None),
         "load": getattr(args, "load", "direct"),
         "images": getattr(args, "images", None),

@@ -394,7 +394,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
             raise ConfigError(
                 f"{type(model).__name__} does not support gradient checkpointing. HINT: drop --grad-checkpointing"
             )
-        kwargs = {"use_reentrant": False}
+        kwargs = {"use_reentrant": workload.checkpoint_reentrant}
         if workload.checkpoint_save_ops is not None:  # op-level SAC: torch.utils.checkpoint's context_fn
             from llmem_plugin.checkpointing import parse_save_ops
 

@@ -399,6 +399,11 @@ class Workload:
             ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``,
             ``image-text-to-text``, ``masked-lm``); None: the class the
             config's ``architectures`` names.
+        checkpoint_reentrant: With ``grad_checkpointing``, torch's reentrant
+            variant (``use_reentrant=True``: each checkpointed layer's
+            forward reruns in full inside its backward, which runs as a
+            nested ``torch.autograd.backward``), as LLaMA-Factory runs it by
+            default (``use_reentrant_gc``).
         checkpoint_every: With ``grad_checkpointing``, checkpoint every this
             many-th decoder layer only (torchtitan's layer-level selective
             AC: layers ``k-1, 2k-1, ...``; 1: every layer).
@@ -453,6 +458,7 @@ class Workload:
     target_len: int | None = None
     task: str | None = None
     checkpoint_every: int = 1
+    checkpoint_reentrant: bool = False
     checkpoint_save_ops: str | None = None
     load: str = "direct"
     images: int | None = None
@@ -487,6 +493,13 @@ class Workload:
         if self.checkpoint_every > 1 and not self.grad_checkpointing:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} picks which layers gradient checkpointing "
                               "recomputes, but checkpointing is off. HINT: add --grad-checkpointing")
+        if self.checkpoint_reentrant and not self.grad_checkpointing:
+            raise ConfigError("--checkpoint-reentrant picks how checkpointed layers recompute, but checkpointing is "
+                              "off. HINT: add --grad-checkpointing")
+        if self.checkpoint_reentrant and self.checkpoint_save_ops is not None:
+            # torch.utils.checkpoint: "Passing context_fn or debug is only supported when use_reentrant=False"
+            raise ConfigError("--checkpoint-save-ops needs non-reentrant checkpointing (torch passes a context_fn "
+                              "only with use_reentrant=False). HINT: drop --checkpoint-reentrant")
         if self.checkpoint_save_ops is not None:
             from llmem_plugin.checkpointing import parse_save_ops
 
@@ -626,6 +639,7 @@ class Workload:
             "target_len": self.target_len,
             "task": self.task,
             "checkpoint_every": self.checkpoint_every,
+            "checkpoint_reentrant": self.checkpoint_reentrant,
             "checkpoint_save_ops": self.checkpoint_save_ops,
             "load": self.load,
             "images": self.images,

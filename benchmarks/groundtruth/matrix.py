@@ -140,7 +140,7 @@ def _lora_parts(lora: LoraSpec | None) -> list[str]:
 
 
 def _checkpoint_parts(wl: Workload) -> list[str]:
-    parts = [f"every{wl.checkpoint_every}"] * (wl.checkpoint_every > 1)
+    parts = ["reentrant"] * wl.checkpoint_reentrant + [f"every{wl.checkpoint_every}"] * (wl.checkpoint_every > 1)
     if wl.checkpoint_save_ops is not None:  # a preset's name, or the ops without "aten."
         parts.append("sac-" + wl.checkpoint_save_ops.replace("aten.", "").replace(",", "+"))
     return parts
@@ -370,6 +370,9 @@ STUB_CASES: list[Case] = [
           prefix="tiny4-", loop="plain-loop", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
     _case("llama-3.2-1b", "bf16", 256, 4, accum=2, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
+    # Reentrant checkpointing (LLaMA-Factory's default): each layer's forward reruns inside a nested backward.
+    _case("llama-3.2-1b", "bf16", 256, 4, gc=True, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
+          prefix="tiny4-", checkpoint_reentrant=True),
     # LoRA adapters in the base weights' dtype (peft autocast_adapter_dtype=False; litgpt, torchtune), with
     # dropout: each adapted layer's branch runs on its bf16 input, not an fp32 copy.
     _case("llama-3.2-1b", "bf16", 256, 4, overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-",

@@ -39,6 +39,9 @@ WORKLOADS = {
     "bf16": Workload(seq_len=64, micro_batch_size=2, precision="bf16"),
     "fp16-mixed-fused": Workload(seq_len=32, micro_batch_size=1, precision="fp16-mixed", optimizer="adamw-fused"),
     "bf16-mixed-gc": Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", grad_checkpointing=True),
+    # LLaMA-Factory's default: reentrant checkpointing (each layer's forward reruns inside its backward)
+    "bf16-lora-gc-reentrant": Workload(seq_len=64, micro_batch_size=2, precision="bf16", grad_checkpointing=True,
+                                       checkpoint_reentrant=True, lora=LoraSpec(rank=4)),
     "bf16-mixed-lora": Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", lora=LoraSpec(rank=4)),
     # adapters in the base dtype: each LoRA branch runs on the bf16 input itself, no fp32 copy
     "bf16-lora-base": Workload(seq_len=64, micro_batch_size=2, precision="bf16",

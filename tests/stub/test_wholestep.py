@@ -38,6 +38,7 @@ CASES = (
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-every2-sdpa",
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-sac-torchtitan-sdpa",
     "tiny4-llama-3.2-1b-bf16-s256-b4-gc-sac-torchtitan-lora-sdpa",
+    "tiny4-llama-3.2-1b-bf16-s256-b4-gc-reentrant-lora-sdpa",  # reentrant (LLaMA-Factory's default)
     "tiny4-qwen2.5-0.5b-bf16-mixed-s256-b4-gc-sac-_scaled_dot_product_efficient_attention+mm-sdpa",
     # The plain loop: each micro-step's outputs (logits, loss and its graph) alive into the next forward.
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-ga2-sdpa-plainloop",
