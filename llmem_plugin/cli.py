@@ -210,10 +210,11 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                         "dequantizes its weight")
     g = p.add_argument_group("loss path", "how the logits and the cross-entropy are computed; the report names the "
                                           "path assumed (docs/techniques/loss.md)")
-    g.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked,cce}",
+    g.add_argument("--loss", default="hf", metavar="{hf,no-upcast,liger,chunked,cce,trl-fused}",
                    help="loss: hf (the model's own, logits upcast to fp32; default), no-upcast (cross-entropy on "
                         "the logits' own dtype, e.g. bf16), liger (fused linear cross-entropy), chunked "
-                        "(torchtune's chunked-output cross-entropy) or cce (Cut Cross-Entropy, no logits)")
+                        "(torchtune's chunked-output cross-entropy), cce (Cut Cross-Entropy, no logits) or "
+                        "trl-fused (TRL 1.16's fused LM head, as its SFTTrainer runs it)")
     g.add_argument("--loss-chunks", type=_LOSS_CHUNKS, default=None, help="chunks for --loss chunked (default 8)")
     g.add_argument("--loss-chunk-upcast", default="on", choices=("on", "off"),
                    help="with --loss chunked: upcast each chunk's logits to fp32 (on, torchtune) or not (off)")

@@ -137,7 +137,8 @@ def fabric_cast(value):
 
 
 def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                      workload: Workload, drop_previous=None) -> Mapping[str, torch.Tensor]:
+                      workload: Workload, drop_previous=None,
+                      extra: Mapping[str, torch.Tensor] | None = None) -> Mapping[str, torch.Tensor]:
     """Run ``model``'s forward and the workload's loss.
 
     Called inside the workload's autocast region, as a trainer calls its
@@ -148,6 +149,8 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
         input_ids: ``(batch, seq)`` token ids.
         labels: ``(batch, seq)`` labels, unshifted (the loss shifts them).
         workload: Picks the loss (``loss``, ``logits_to_keep``, ``loss_chunks``).
+        extra: The batch's other inputs (a packed row's positions and boundaries), passed to the backbone by
+            the heads that replace the forward.
         drop_previous: Releases what a plain loop holds of its last micro-step;
             called once the logits exist and before a loss the loop computes on
             them (``no-upcast``, and a ``chunked`` head that returns its chunks).
@@ -178,11 +181,13 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
                              drop_previous=drop_previous)
     elif workload.loss is LossImpl.CCE:
         head = _cce_head(causal_lm)
+    elif workload.loss is LossImpl.TRL_FUSED:
+        head = _trl_head(causal_lm)
     else:
         _check_arch(arch, LIGER_ARCHS, workload.loss)
         head = _liger_head
     with _forward_replaced(causal_lm, head):
-        return model(input_ids=input_ids, labels=labels, use_cache=False)
+        return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
 
 
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -402,6 +407,35 @@ def _cce_head(causal_lm: PreTrainedModel):
             raise ConfigError(f"--loss cce reads lm_head.weight of a plain bias-free nn.Linear; this model's head is "
                               f"'{type(lm_head).__name__}'. HINT: leave lm_head out of --lora-targets, or use --loss hf")
         return cce_loss(hidden, lm_head.weight, labels, softcap)
+
+    return head
+
+
+# ----------------------------------------------------------------------------- TRL's fused head
+
+
+def _trl_head(causal_lm: PreTrainedModel):
+    """TRL 1.16 ``_fused_forward`` after the backbone, with SFTTrainer's loss (:mod:`llmem_plugin.trl_head`)."""
+    try:
+        logit_transform(causal_lm)
+    except ConfigError:
+        raise ConfigError(f"--loss trl-fused is not modelled for '{type(causal_lm).__name__}': its forward does more "
+                          "to the logits than project and softcap them. HINT: use --loss hf") from None
+    cfg = causal_lm.config
+    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0) or hasattr(causal_lm, "logit_scale"):
+        raise ConfigError(f"--loss trl-fused is not modelled for '{type(causal_lm).__name__}', which scales its "
+                          "logits. HINT: use --loss hf")
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from llmem_plugin.trl_head import fused_sft_loss
+
+        lm_head = self.get_output_embeddings()
+        if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+            raise ConfigError(f"--loss trl-fused reads lm_head.weight of a plain bias-free nn.Linear; this model's "
+                              f"head is '{type(lm_head).__name__}' (TRL refuses a LoRA on lm_head). HINT: leave "
+                              "lm_head out of --lora-targets")
+        return fused_sft_loss(hidden, lm_head.weight, labels, softcap=softcap)
 
     return head
 

@@ -84,8 +84,9 @@ def unsupported(method: str, workload: Any) -> str | None:
     if method != "single":
         return (f"--packed-docs under {method} is not modelled yet (checked on one GPU). HINT: estimate one GPU's "
                 "step without --method, or drop --packed-docs")
-    if workload.loss.value != "hf" or workload.logits_to_keep:
-        return ("--packed-docs is modelled with the model's own loss only. HINT: drop --loss and --logits-to-keep")
+    if workload.loss.value not in ("hf", "trl-fused") or workload.logits_to_keep:
+        return ("--packed-docs is modelled with the model's own loss and TRL's fused head only. HINT: use --loss hf "
+                "or trl-fused, and drop --logits-to-keep")
     if workload.reference_model:
         return ("--packed-docs with --reference-model is not modelled: TRL's DPO turns padding-free off. "
                 "HINT: drop --packed-docs")

@@ -114,6 +114,9 @@ def _loss_path(wl) -> str:
         return "Cut Cross-Entropy (cut-cross-entropy: no logits; lse, positions and the vocabulary order only)"
     if wl.loss.value == "liger":
         return "liger-kernel fused linear cross-entropy (no full logits)"
+    if wl.loss.value == "trl-fused":
+        return ("TRL 1.16's fused LM head (the valid labels' hidden states gathered, 4096 x 32768 logit tiles, fp32 "
+                "gradient accumulators; no full logits)")
     if wl.loss.value == "chunked":
         each = "each chunk's logits upcast to fp32" if wl.loss_chunk_upcast else "no fp32 upcast"
         return f"chunked cross-entropy over {wl.loss_chunks} sequence chunks, {each}"

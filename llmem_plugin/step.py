@@ -86,7 +86,7 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wo
         return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
     from llmem_plugin.loss import forward_with_loss
 
-    return forward_with_loss(model, input_ids, labels, workload, drop_previous)
+    return forward_with_loss(model, input_ids, labels, workload, drop_previous, extra)
 
 
 def _activation_offload(workload: Workload, tracker: MemoryTracker) -> Callable[[], contextlib.AbstractContextManager]:

@@ -167,12 +167,15 @@ class LossImpl(str, Enum):
     ``F.cross_entropy`` on bf16 logits); LIGER is liger-kernel's fused linear
     cross-entropy (no full logits); CHUNKED is a loss over sequence chunks of
     the logits (torchtune's ``CEWithChunkedOutputLoss``); CCE is Cut
-    Cross-Entropy (``cut-cross-entropy``, no logits at all).
+    Cross-Entropy (``cut-cross-entropy``, no logits at all); TRL_FUSED is TRL
+    1.16's fused LM head (``ChunkedLogProbFunction`` over 4096 x 32768 tiles,
+    as SFTTrainer scores the valid labels).
     """
 
     HF = "hf"
     NO_UPCAST = "no-upcast"
     LIGER = "liger"
+    TRL_FUSED = "trl-fused"  # TRL 1.16's fused LM head (llmem_plugin.trl_head)
     CHUNKED = "chunked"
     CCE = "cce"
 
@@ -565,7 +568,7 @@ class Workload:
             if self.quantized_from is not None and self.quantized_from not in _QUANTIZED_FROM:
                 raise ConfigError(f"--quantized-from {self.quantized_from!r} is not a dtype bitsandbytes quantizes "
                                   f"from; valid: {', '.join(_QUANTIZED_FROM)}. HINT: e.g. --quantized-from fp16")
-        if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE):
+        if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE, LossImpl.TRL_FUSED):
             raise ConfigError(f"--loss {self.loss.value} multiplies by lm_head.weight itself, which --quantize-lm-head "
                               "packs into 4 bits. HINT: use --loss chunked or hf, or drop --quantize-lm-head")
         if self.double_quant and self.quantize not in (Quantization.NF4, Quantization.FP4):

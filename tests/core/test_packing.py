@@ -88,10 +88,12 @@ def _packed(docs, **kw):
                     packed_docs=docs, **kw)
 
 
+@pytest.mark.parametrize("loss", ["hf", "trl-fused"])
 @pytest.mark.parametrize("boundaries", ["collator", "positions"])
 @pytest.mark.parametrize("docs", [1, 3])
-def test_packed_step_fake_trace_equals_real_cpu_run(docs, boundaries):
-    fake, real = fake_and_real(tiny_config("llama"), _packed(docs, packed_boundaries=boundaries))
+def test_packed_step_fake_trace_equals_real_cpu_run(docs, boundaries, loss):
+    """TRL's SFT packs with its fused head, which scores every token but each document's first."""
+    fake, real = fake_and_real(tiny_config("llama"), _packed(docs, packed_boundaries=boundaries, loss=loss))
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
     assert [e[2] for e in fake.events] == [e[2] for e in real.events]
