@@ -47,7 +47,13 @@ _MAX_GPUS_PER_NODE = 72
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line ending with a HINT."""
 
+    # flag -> "FILE: KEY" for the options a --config file set, named when argparse refuses one of them
+    origins: dict[str, str] = {}
+
     def error(self, message: str):  # noqa: D102 - argparse's hook
+        flag = next((f for f in self.origins if f"argument {f}" in message), None)
+        if flag is not None:
+            message = f"{message} (set by {self.origins[flag]})"
         if "HINT" not in message:
             message = f"{message}. HINT: run '{self.prog} --help' for the options"
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
@@ -1076,6 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _with_config(argv: list[str]):
     """``argv`` with the ``--config`` file's options put before the user's (so the user's win), and the recipe."""
+    _Parser.origins = {}
     if not argv or argv[0] not in ("estimate", "plan"):
         return argv, None
     path = fmt = None
@@ -1095,7 +1102,11 @@ def _with_config(argv: list[str]):
         return argv, None
     from llmem_plugin.recipes import command_argv, read_recipe
 
+    import os
+
     recipe = read_recipe(path, fmt)
+    _Parser.origins = {m.option.split(" ")[0]: f"{os.path.basename(recipe.path)}: {m.key}"
+                       for m in recipe.mapped if m.option}
     return [argv[0], *command_argv(recipe, argv[0], argv[1:]), *argv[1:]], recipe
 
 

@@ -176,13 +176,14 @@ class _ChunkedLogProb(torch.autograd.Function):
         running_max = hidden.new_full((n,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros((n,), dtype=torch.float32)
         x_sum_exp = hidden.new_zeros((n,), dtype=torch.float32)
-        sq_sum_exp = hidden.new_zeros((n,), dtype=torch.float32)
-        z_sum = hidden.new_zeros((n,), dtype=torch.float32)
+        # Locals held, as in TRL, until the Function returns (the allocations are what is modelled).
+        sq_sum_exp = hidden.new_zeros((n,), dtype=torch.float32)  # noqa: F841
+        z_sum = hidden.new_zeros((n,), dtype=torch.float32)  # noqa: F841
         max_before_target = hidden.new_full((n,), float("-inf"), dtype=torch.float32)
         target_logit = hidden.new_zeros((n,), dtype=torch.float32)
-        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)
+        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)  # noqa: F841
         for t0 in range(0, n, TOKEN_CHUNK_SIZE):
-            hidden_chunk = hidden[t0:t0 + TOKEN_CHUNK_SIZE].to(cd)
+            hidden_chunk = hidden[t0:t0 + TOKEN_CHUNK_SIZE].to(cd)  # noqa: F841
             for v0 in range(0, vocab, VOCAB_CHUNK_SIZE):
                 w = weight[v0:v0 + VOCAB_CHUNK_SIZE].to(cd)  # torch.mm(hidden_chunk, weight[...].to(cd).t(), out=tile)
                 del w  # cuBLAS writes the tile; the Triton fold updates the statistics in place
@@ -215,14 +216,13 @@ class _ChunkedLogProb(torch.autograd.Function):
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
-        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)
+        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)  # noqa: F841
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-        hidden_chunk = w_chunk = None
         for t0 in range(0, n, TOKEN_CHUNK_SIZE):
-            hidden_chunk = hidden[t0:t0 + TOKEN_CHUNK_SIZE].to(cd)
+            hidden_chunk = hidden[t0:t0 + TOKEN_CHUNK_SIZE].to(cd)  # noqa: F841 - held to the return, as in TRL
             for v0 in range(0, vocab, VOCAB_CHUNK_SIZE):
-                w_chunk = weight[v0:v0 + VOCAB_CHUNK_SIZE].to(cd)
+                w_chunk = weight[v0:v0 + VOCAB_CHUNK_SIZE].to(cd)  # noqa: F841 - rebound per tile, as in TRL
                 # mm into the tile, the Triton backward fold in place, then the fp32 accumulations:
                 # torch.addmm(acc, tile, w_chunk, out_dtype=fp32, out=acc) for 16-bit tiles (no allocation);
                 # fp32 tiles take acc.addmm_(a.float(), b.float()), where .float() is a no-op.

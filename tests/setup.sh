@@ -31,5 +31,5 @@ BUILD_EXT=0 "${PIP[@]}" --no-deps "colossalai==0.5.0" "galore_torch==1.0"
 "${PIP[@]}" --no-deps "litgpt==0.4.13"
 rm -rf .frameworks
 "${PIP[@]}" --no-deps --target .frameworks "torchtune==0.6.1" "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" \
-    "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5"
+    "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5" "trl==1.16.0"
 stubcuda/setup.sh "$PY"

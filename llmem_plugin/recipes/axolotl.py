@@ -113,7 +113,10 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
     for key, why in _REFUSED.items():
         if raw.get(key):
             r.refuse(key, raw[key], why, f"drop {key} to estimate the rest")
-    r.set("base_model", r.get("base_model"), "--model", r.get("base_model"))
+    model = r.get("base_model")
+    if not isinstance(model, str):
+        r.bad("base_model", model, "Axolotl requires the model (utils/schemas/model.py)", "set base_model")
+    r.set("base_model", model, "--model", model)
     r.set("(trainer)", "transformers Trainer (AxolotlTrainer)", "--runner", "hf-trainer")
     weights = _precision(r)
     _batch(r)

@@ -1,0 +1,55 @@
+"""Print the arguments TRL 1.16.0's own parser makes of an SFT config, as JSON.
+
+Run in a subprocess with trl 1.16.0 on PYTHONPATH (.frameworks/). ``trl sft
+--config FILE`` parses with ``TrlParser((ScriptArguments, SFTConfig,
+ModelConfig, DatasetMixtureConfig))`` and ``parse_args_and_config``
+(trl/scripts/sft.py, trl/scripts/utils.py); keys no dataclass takes go to
+``accelerate launch``. Shims that touch no parsed value: pandas and datasets
+are stubs (imported at module level by trl's utilities), and ``use_cpu`` is
+set because TrainingArguments refuses bf16 on a machine without a GPU. With
+``--keys`` it prints the four dataclasses' field names instead.
+"""
+
+import dataclasses
+import importlib.machinery
+import json
+import os
+import sys
+import tempfile
+import types
+
+for name in ("pandas", "datasets"):
+    stub = types.ModuleType(name)
+    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    stub.IterableDataset = stub.Dataset = stub.DataFrame = stub.DatasetDict = stub.IterableDatasetDict = object
+    sys.modules[name] = stub
+
+import yaml  # noqa: E402
+from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser  # noqa: E402
+from trl.scripts.utils import DatasetMixtureConfig  # noqa: E402
+
+classes = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig)
+if sys.argv[1] == "--keys":
+    print(json.dumps(sorted({f.name for c in classes for f in dataclasses.fields(c)})))
+    sys.exit(0)
+with open(sys.argv[1], encoding="utf-8") as f:
+    cfg = yaml.safe_load(f)
+cfg["use_cpu"] = True
+with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    yaml.safe_dump(cfg, f)
+script, sft, model, _, rest = TrlParser(classes).parse_args_and_config(
+    ["--config", f.name], return_remaining_strings=True)
+os.unlink(f.name)
+print(json.dumps({
+    "model": model.model_name_or_path, "dtype": model.dtype, "attn": model.attn_implementation,
+    "use_peft": model.use_peft, "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,
+    "lora_dropout": model.lora_dropout, "lora_target_modules": model.lora_target_modules,
+    "load_in_4bit": model.load_in_4bit, "load_in_8bit": model.load_in_8bit,
+    "quant_type": model.bnb_4bit_quant_type, "nested": model.use_bnb_nested_quant,
+    "max_length": sft.max_length, "packing": sft.packing, "packing_strategy": sft.packing_strategy,
+    "padding_free": sft.padding_free, "batch": sft.per_device_train_batch_size,
+    "accum": sft.gradient_accumulation_steps, "bf16": sft.bf16, "fp16": sft.fp16,
+    "gc": sft.gradient_checkpointing, "gc_kwargs": sft.gradient_checkpointing_kwargs,
+    "optim": str(getattr(sft.optim, "value", sft.optim)), "activation_offloading": sft.activation_offloading,
+    "model_init_kwargs": sft.model_init_kwargs, "loss_type": sft.loss_type, "rest": rest,
+}, default=str))

@@ -1,0 +1,95 @@
+"""TRL SFT configs: the mapping checked against TRL 1.16.0's own parser (``TrlParser``, as ``trl sft`` runs it)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from llmem_plugin import cli
+from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.recipes import read_recipe
+from llmem_plugin.recipes._hf import HF_OPTIMIZERS
+from tests.recipes.conftest import EXAMPLES, run_probe
+
+CONFIGS = sorted((EXAMPLES / "trl").glob("*.yaml"))
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def test_three_examples():
+    assert len(CONFIGS) >= 3
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_mapping_matches_trl_parser(path):
+    t = run_probe("trl_args.py", path)
+    o = read_recipe(str(path)).options
+    assert o["--model"] == t["model"] and o["--loss"] == "trl-fused" and o["--runner"] == "hf-trainer"
+    assert (o["--seq-len"], o["--batch-size"], o["--grad-accum"]) == (t["max_length"], t["batch"], t["accum"])
+    assert o["--optimizer"] == HF_OPTIMIZERS[t["optim"]]
+    assert o.get("--grad-checkpointing", False) == bool(t["gc"])
+    assert o.get("--checkpoint-reentrant", False) == bool((t["gc_kwargs"] or {}).get("use_reentrant"))
+    weights = _DTYPES[t["dtype"]]
+    assert o["--precision"] == (weights if weights == "bf16" else "bf16-mixed" if t["bf16"] else "fp32")
+    assert o.get("--attn") == t["attn"]
+    # sft_trainer.py: padding-free is on with packing under the bfd strategies
+    assert ("--packed-boundaries" in o) == bool(t["packing"] and t["packing_strategy"] in ("bfd", "bfd_split"))
+    if t["use_peft"]:
+        assert (o["--lora-rank"], o["--lora-alpha"]) == (t["lora_r"], t["lora_alpha"])
+        assert o.get("--lora-dropout", 0.0) == t["lora_dropout"]
+        targets = t["lora_target_modules"]
+        assert o["--lora-targets"] == (targets if isinstance(targets, str) else ",".join(targets))
+    else:
+        assert "--lora-rank" not in o
+    if t["load_in_4bit"]:
+        assert o["--quantize"] == t["quant_type"] and o.get("--double-quant", False) == t["nested"]
+        assert o["--kbit-prepare"] == "off" and o["--lora-adapter-dtype"] == "base"  # bf16 adapters
+    assert not t["rest"]  # every key was a dataclass field (none left for accelerate)
+
+
+def test_schema_keys_match_the_wheel():
+    keys = run_probe("trl_args.py", "--keys")
+    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["keys"]
+    assert shipped == keys
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "sft.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+_BASE = "model_name_or_path: meta-llama/Llama-3.2-1B\ndataset_name: x\n"
+
+
+def test_defaults(tmp_path):
+    """TRL's defaults: fp32 weights under bf16 autocast, checkpointing on, max_length 1024, batch 8."""
+    o = read_recipe(_write(tmp_path, _BASE)).options
+    assert (o["--precision"], o["--grad-checkpointing"], o["--seq-len"], o["--batch-size"]) == \
+        ("bf16-mixed", True, 1024, 8)
+
+
+def test_peft_default_targets(tmp_path):
+    """peft's per-model targets when lora_target_modules is unset: q_proj and v_proj for llama."""
+    o = read_recipe(_write(tmp_path, _BASE + "use_peft: true\n")).options
+    assert (o["--lora-rank"], o["--lora-alpha"], o["--lora-targets"]) == (16, 32, "q_proj,v_proj")
+
+
+@pytest.mark.parametrize("extra, exc, needle", [
+    ("use_liger_kernel: true\n", UnsupportedError, "use_liger_kernel"),
+    ("label_smoothing_factor: 0.1\n", UnsupportedError, "label_smoothing_factor"),
+    ("use_peft: true\nload_in_4bit: true\n", UnsupportedError, "dtype=float32"),  # fp32 compute, bf16 adapters
+    ("padding_free: true\n", ConfigError, "padding_free"),
+    ("use_peft: true\nlora_target_modules: [q_proj, lm_head]\n", ConfigError, "lm_head"),
+])
+def test_refusals(tmp_path, extra, exc, needle):
+    with pytest.raises(exc, match=needle):
+        read_recipe(_write(tmp_path, _BASE + extra))
+
+
+def test_packing_needs_documents(tmp_path, capsys):
+    path = _write(tmp_path, _BASE + "packing: true\nattn_implementation: flash_attention_2\n")
+    assert cli.main(["estimate", "--config", path]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--packed-docs" in err[0]
