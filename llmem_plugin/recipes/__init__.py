@@ -159,19 +159,24 @@ class Reader:
         """``flag`` must come from the command line: the file leaves it open (``why``)."""
         self.recipe.required[flag] = why
 
-    def finish(self, ignored: set[str], *, schema: str, schema_keys: set[str] | None = None) -> Recipe:
+    def finish(self, ignored: set[str], *, schema: str, schema_keys: set[str] | dict[str, Any] | None = None
+               ) -> Recipe:
         """List the keys left: set ones of the schema as not read, others as unknown to it.
 
         Args:
             ignored: Keys known not to change the step's GPU memory (data, logging, schedules).
             schema: The schema's name, for the message.
-            schema_keys: Every key of the schema; ``None``: only ``ignored`` and the keys read are known.
+            schema_keys: Every key of the schema, or a mapping of each to its default (a key at its default is
+                not listed); ``None``: only ``ignored`` and the keys read are known.
         """
+        defaults = schema_keys if isinstance(schema_keys, dict) else {}
         for key, value in self.raw.items():
             if key in ignored or any(s == key or s.startswith(key + ".") for s in self.seen):
                 continue
             if value is None or value is False or value == "" or value == [] or value == {}:
                 continue  # unset: the framework's default, which the keys read already assume
+            if key in defaults and value == defaults[key]:
+                continue
             why = "not read by the estimate" if schema_keys is not None and key in schema_keys else \
                 f"not a key of {schema}"
             self.recipe.not_modelled.append(NotModelled(key, _text(value), why))

@@ -48,6 +48,10 @@ _IGNORED = {
     "do_train", "do_eval", "use_cpu", "ddp_timeout", "resume_from_checkpoint", "shuffle_dataset",
     "completion_only_loss", "assistant_only_loss", "dataset_kwargs", "use_rslora", "lora_task_type",
     "ignore_bias_buffers", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "env",
+    "hub_token", "logging_first_step", "log_on_each_node", "logging_nan_inf_filter", "log_level_replica",
+    "project", "eval_delay", "eval_do_concat_batches", "dataloader_in_order", "train_sampling_strategy",
+    "length_column_name", "skip_memory_metrics", "local_rank", "accelerator_config", "save_on_each_node",
+    "save_only_model", "include_num_input_tokens_seen", "average_tokens_across_devices", "trackio_space_id",
 }
 _REFUSED = {
     "use_liger_kernel": "TRL 1.16 raises on it (its fused head replaces liger's)",
@@ -68,8 +72,9 @@ _ACCELERATE = {"zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "f
                "single_gpu": None}
 
 
-def _keys() -> set[str]:
-    return set(json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["keys"])
+def _keys() -> dict[str, Any]:
+    """Every key of the four dataclasses, with its default (trl_keys.json, checked against the wheel)."""
+    return json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["defaults"]
 
 
 def read(raw: dict[str, Any], path: str) -> Recipe:

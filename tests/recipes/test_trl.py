@@ -48,9 +48,9 @@ def test_mapping_matches_trl_parser(path):
     assert not t["rest"]  # every key was a dataclass field (none left for accelerate)
 
 
-def test_schema_keys_match_the_wheel():
+def test_schema_keys_and_defaults_match_the_wheel():
     keys = run_probe("trl_args.py", "--keys")
-    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["keys"]
+    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["defaults"]
     assert shipped == keys
 
 
@@ -93,3 +93,14 @@ def test_packing_needs_documents(tmp_path, capsys):
     assert cli.main(["estimate", "--config", path]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--packed-docs" in err[0]
+
+
+def test_a_saved_sftconfig_json(tmp_path):
+    """SFTConfig.to_json_string(): every TrainingArguments field; those at their defaults are not listed, the
+    model comes from the command line."""
+    path = tmp_path / "args.json"
+    run_probe("trl_args.py", "--dump", path)
+    r = read_recipe(str(path))
+    assert r.format == "trl" and "--model" in r.required
+    assert (r.options["--batch-size"], r.options["--seq-len"], r.options["--precision"]) == (4, 512, "bf16-mixed")
+    assert [n.key for n in r.not_modelled] == []

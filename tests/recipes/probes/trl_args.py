@@ -7,7 +7,8 @@ ModelConfig, DatasetMixtureConfig))`` and ``parse_args_and_config``
 ``accelerate launch``. Shims that touch no parsed value: pandas and datasets
 are stubs (imported at module level by trl's utilities), and ``use_cpu`` is
 set because TrainingArguments refuses bf16 on a machine without a GPU. With
-``--keys`` it prints the four dataclasses' field names instead.
+``--keys`` it prints the four dataclasses' fields and their defaults instead; with ``--dump FILE`` it
+writes an SFTConfig as JSON.
 """
 
 import dataclasses
@@ -29,8 +30,24 @@ from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser  # noqa: E402
 from trl.scripts.utils import DatasetMixtureConfig  # noqa: E402
 
 classes = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig)
-if sys.argv[1] == "--keys":
-    print(json.dumps(sorted({f.name for c in classes for f in dataclasses.fields(c)})))
+if sys.argv[1] == "--keys":  # every field with its default (a factory's value), as JSON makes them
+    defaults = {}
+    for c in classes:
+        for f in dataclasses.fields(c):
+            if f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = None
+            defaults.setdefault(f.name, json.loads(json.dumps(getattr(value, "value", value), default=str)))
+    print(json.dumps(dict(sorted(defaults.items()))))
+    sys.exit(0)
+if sys.argv[1] == "--dump":  # an SFTConfig saved as JSON (to_json_string), as a job's arguments are kept
+    config = SFTConfig(output_dir="out", use_cpu=True, per_device_train_batch_size=4, max_length=512)
+    with open(sys.argv[2], "w", encoding="utf-8") as f:
+        f.write(config.to_json_string())
+    print(json.dumps({"written": sys.argv[2]}))
     sys.exit(0)
 with open(sys.argv[1], encoding="utf-8") as f:
     cfg = yaml.safe_load(f)
