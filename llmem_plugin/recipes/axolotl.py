@@ -242,8 +242,8 @@ def _adapter(r: Reader, weights: str) -> None:
     kernels = [k for k in _LORA_KERNELS if r.get(k) is not False]
     for k in kernels:
         r.skip(k, r.get(k, "auto"), "Axolotl's fused LoRA Triton kernels (on by default for lora/qlora) are not "
-               "modelled; peft's layers, which keep more activations, are estimated (set it false for the exact "
-               "path)")
+               "modelled; peft's layers are estimated, which keep more activations (kernels/lora.py LoRA_MLP saves "
+               "only X, gate and up); set it false for the exact path")
     r.ignore(*_LORA_KERNELS)
 
 
