@@ -721,11 +721,22 @@ def _cmd_varlen(args: argparse.Namespace, gpu, wl) -> int:
 
 def _deepspeed_args(args: argparse.Namespace) -> None:
     """``--deepspeed-config``: read it, and take its method and offload unless the flags name them."""
-    from llmem_plugin.errors import ConfigError
+    from llmem_plugin.errors import ConfigError, LLMemError
     from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
 
     args.deepspeed_config = read_deepspeed_config(args.deepspeed_config)
     method, off_opt, off_par = deepspeed_method(args.deepspeed_config)
+    from llmem_plugin.methods.zero import ZeroConfig
+
+    try:  # its values, checked now (the method reads them again with the model's hidden size)
+        ZeroConfig.from_deepspeed(args.deepspeed_config, stage=int(method[-1]), offload_optimizer=off_opt,
+                                  offload_param=off_par, hidden_size=1)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, LLMemError):
+            raise
+        raise ConfigError(f"--deepspeed-config: a zero_optimization value is not a number or switch "
+                          f"({' '.join(str(e).split())[:120]}). HINT: check the file against DeepSpeed's config "
+                          "docs") from None
     if args.method is None:
         args.method = method
     elif not args.method.startswith(method):
@@ -1105,8 +1116,9 @@ def _with_config(argv: list[str]):
     import os
 
     recipe = read_recipe(path, fmt)
+    typed = {a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")}  # the user's own, named as such
     _Parser.origins = {m.option.split(" ")[0]: f"{os.path.basename(recipe.path)}: {m.key}"
-                       for m in recipe.mapped if m.option}
+                       for m in recipe.mapped if m.option and m.option.split(" ")[0] not in typed}
     return [argv[0], *command_argv(recipe, argv[0], argv[1:]), *argv[1:]], recipe
 
 

@@ -152,9 +152,9 @@ def _scatter(x: torch.Tensor | None, mask: torch.Tensor, n: int) -> torch.Tensor
     return _MaskScatter.apply(zeros, mask, x, n)
 
 
-def _reference(hidden, weight, targets, softcap, scale):
+def _reference(hidden, weight, targets, softcap):
     """CPU reference of the per-token statistics (values only, untracked)."""
-    z = (hidden.float() @ weight.float().t()) * scale
+    z = hidden.float() @ weight.float().t()
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     log_z = torch.logsumexp(z, dim=-1)
@@ -166,10 +166,10 @@ def _reference(hidden, weight, targets, softcap, scale):
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """``ChunkedLogProbFunction`` (temperature 1, no bias): log-probabilities, entropy and is_top1."""
+    """``ChunkedLogProbFunction`` (temperature 1, logit scale 1, no bias): log-probabilities, entropy, is_top1."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, softcap, scale, outputs):
+    def forward(ctx, hidden, weight, targets, softcap, outputs):
         ctx.set_materialize_grads(False)
         n, vocab = hidden.shape[0], weight.shape[0]
         cd = _compute_dtype(hidden)
@@ -194,7 +194,7 @@ class _ChunkedLogProb(torch.autograd.Function):
         is_top1 = (target_logit >= running_max) & (target_logit > max_before_target) if "is_top1" in outputs else None
         if not is_fake(hidden):
             with untracked():
-                _, ref_log_z, ref_logp, ref_entropy, ref_top1 = _reference(hidden, weight, targets, softcap, scale)
+                _, ref_log_z, ref_logp, ref_entropy, ref_top1 = _reference(hidden, weight, targets, softcap)
                 log_z.copy_(ref_log_z)
                 logprobs.copy_(ref_logp)
                 if entropy is not None:
@@ -203,7 +203,7 @@ class _ChunkedLogProb(torch.autograd.Function):
                     is_top1.copy_(ref_top1)
                 del ref_log_z, ref_logp, ref_entropy, ref_top1
         ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)
-        ctx.softcap, ctx.scale, ctx.cd = softcap, scale, cd
+        ctx.softcap, ctx.cd = softcap, cd
         if is_top1 is not None:
             ctx.mark_non_differentiable(is_top1)
         return logprobs, entropy, is_top1
@@ -231,7 +231,7 @@ class _ChunkedLogProb(torch.autograd.Function):
                 h = hidden.detach().float().requires_grad_(needs_hidden)
                 wt = weight.detach().float().requires_grad_(needs_weight)
                 with torch.enable_grad():
-                    _, _, logp, ent, _ = _reference(h, wt, targets, ctx.softcap, ctx.scale)
+                    _, _, logp, ent, _ = _reference(h, wt, targets, ctx.softcap)
                     total = (logp * grad_logprobs).sum() if grad_logprobs is not None else 0.0
                     if grad_entropy is not None:
                         total = total + (ent * grad_entropy).sum()
@@ -243,7 +243,7 @@ class _ChunkedLogProb(torch.autograd.Function):
                     grad_weight.copy_(grads.pop(0))
                 del h, wt, logp, ent, total, grads
         return (grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
-                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None, None)
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None)
 
 
 def _valid_count(mask: torch.Tensor) -> int:
@@ -260,15 +260,14 @@ def _valid_count(mask: torch.Tensor) -> int:
 
 
 def fused_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                   softcap: float | None = None, scale: float = 1.0) -> torch.Tensor:
+                   softcap: float | None = None) -> torch.Tensor:
     """SFTTrainer's loss through TRL's fused head on CUDA (the compact path).
 
     Args:
         hidden: ``(batch, seq, H)`` last hidden states of the backbone.
         weight: ``(V, H)`` the output projection's weight.
         labels: ``(batch, seq)`` unshifted labels, -100 where ignored.
-        softcap: The model's final-logit softcap, or None.
-        scale: The model's logit scale (1.0 for most).
+        softcap: The model's final-logit softcap, or None (models that scale their logits are refused).
 
     Returns:
         ``-sum(log p(target)) / valid tokens``, a scalar fp32 tensor.
@@ -279,7 +278,7 @@ def fused_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     n = _valid_count(mask)
     x = _MaskGather.apply(hidden_states, mask, n)
     targets = _gather(labels, mask, n)
-    logprobs, entropy, is_top1 = _ChunkedLogProb.apply(x, weight, targets, softcap, scale, SFT_OUTPUTS)
+    logprobs, entropy, is_top1 = _ChunkedLogProb.apply(x, weight, targets, softcap, SFT_OUTPUTS)
     del x, targets
     log_probs = _scatter(logprobs, mask, n)
     del logprobs

@@ -224,6 +224,9 @@ def read_deepspeed_config(source: str | dict[str, Any]) -> dict[str, Any]:
     """
     if isinstance(source, dict):
         return source
+    if not isinstance(source, str):
+        raise ConfigError(f"the DeepSpeed config {source!r} is neither a path nor a mapping. HINT: pass a JSON "
+                          "file or a dict")
     import json
 
     text = source.strip()
@@ -249,6 +252,12 @@ def deepspeed_method(ds: dict[str, Any]) -> tuple[str, bool, bool]:
         ConfigError: An offload device that is not cpu, nvme or none.
     """
     zero = ds.get("zero_optimization", {}) or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization {zero!r} is not a mapping. HINT: write it as {{\"stage\": 3, ...}}")
+    for section in ("offload_optimizer", "offload_param"):
+        if zero.get(section) is not None and not isinstance(zero[section], dict):
+            raise ConfigError(f"zero_optimization.{section} {zero[section]!r} is not a mapping. HINT: write it as "
+                              "{\"device\": \"cpu\"}")
     try:
         stage = int(zero.get("stage", 0))
     except (TypeError, ValueError):

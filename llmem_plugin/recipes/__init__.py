@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError
 
 __all__ = ["FORMATS", "Recipe", "read_recipe"]
 
@@ -117,15 +117,25 @@ class Reader:
     def where(self, key: str) -> str:
         return f"{os.path.basename(self.recipe.path)}: {key}"
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value at a dotted ``key`` (``None`` counts as absent), marking it seen."""
+    def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
+        """The value at a dotted ``key`` (``None`` counts as absent), marking it seen.
+
+        Raises:
+            ConfigError: ``kind`` is given and the value is not of it (a bool is not an int here).
+        """
         self.seen.add(key)
         node: Any = self.raw
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
                 return default
             node = node[part]
-        return default if node is None else node
+        if node is None:
+            return default
+        if kind is not None and (not isinstance(node, kind) or (isinstance(node, bool) and bool not in
+                                                                 (kind if isinstance(kind, tuple) else (kind,)))):
+            names = " or ".join(_KINDS.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+            self.bad(key, node, f"must be {names}", f"fix {key} in the file")
+        return node
 
     def has(self, key: str) -> bool:
         return self.get(key, _ABSENT) is not _ABSENT
@@ -184,6 +194,8 @@ class Reader:
 
 
 _ABSENT = object()
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+          dict: "a mapping"}
 
 
 def _text(value: Any) -> str:
@@ -252,7 +264,15 @@ def read_recipe(path: str, fmt: str | None = None) -> Recipe:
         raise ConfigError(f"--config-format {fmt!r} is not one of {', '.join(FORMATS)}. HINT: pass one of them")
     from importlib import import_module
 
-    return import_module(f"llmem_plugin.recipes.{fmt}").read(raw, path)
+    try:
+        return import_module(f"llmem_plugin.recipes.{fmt}").read(raw, path)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        if isinstance(e, LLMemError):  # ours (a ValueError), already one line with its fix
+            raise
+        # A value of a type the reader does not check for (a list where a mapping goes, ...)
+        raise ConfigError(f"--config {path!r}: a value has a type {fmt} does not take ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:120]}). HINT: check the file against {fmt}'s documented "
+                          "format") from None
 
 
 # `llmem plan` takes the workload options of `_add_step_args` and searches the rest; these file options
@@ -261,9 +281,11 @@ _PLAN_KEEPS = {
     "--model", "--seq-len", "--precision", "--optimizer", "--attn", "--quantize", "--double-quant", "--kbit-prepare",
     "--quantize-lm-head", "--quantized-from", "--bnb-version", "--loss", "--loss-chunks", "--loss-chunk-upcast",
     "--outputs-to-fp32", "--logits-to-keep", "--offload-activations", "--reference-model", "--lora-rank",
-    "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-adapter-dtype", "--runner",
+    "--lora-alpha", "--lora-targets", "--lora-dropout", "--lora-adapter-dtype", "--runner", "--gpus",
 }
-_PLAN_SEARCHES = {"--batch-size", "--grad-accum", "--grad-checkpointing", "--method", "--offload"}
+# plan searches these itself (its checkpointing is non-reentrant, its methods take their own buffers)
+_PLAN_SEARCHES = {"--batch-size", "--grad-accum", "--grad-checkpointing", "--checkpoint-reentrant", "--method",
+                  "--offload", "--deepspeed-config"}
 
 
 def command_argv(recipe: Recipe, command: str, user_argv: list[str]) -> list[str]:
@@ -274,10 +296,10 @@ def command_argv(recipe: Recipe, command: str, user_argv: list[str]) -> list[str
             setting it does not search (packing, variable lengths...).
     """
     given = {a.split("=", 1)[0] for a in user_argv if a.startswith("--")}
-    for flag, why in recipe.required.items():
-        if flag not in given:
-            raise ConfigError(f"{os.path.basename(recipe.path)}: {why}")
     if command == "estimate":
+        for flag, why in recipe.required.items():
+            if flag not in given:
+                raise ConfigError(f"{os.path.basename(recipe.path)}: {why}")
         return recipe.argv()
     kept = Recipe(recipe.format, recipe.path, recipe.framework)
     for flag, value in recipe.options.items():
@@ -287,6 +309,9 @@ def command_argv(recipe: Recipe, command: str, user_argv: list[str]) -> list[str
             key = next((m.key for m in recipe.mapped if m.option.split(" ")[0] == flag), flag)
             raise ConfigError(f"{os.path.basename(recipe.path)}: {key} sets {flag}, which `llmem plan` does not "
                               f"search. HINT: run `llmem estimate --config {recipe.path}`")
+    for flag, why in recipe.required.items():
+        if flag in _PLAN_KEEPS and flag not in given:
+            raise ConfigError(f"{os.path.basename(recipe.path)}: {why}")
     return kept.argv()
 
 

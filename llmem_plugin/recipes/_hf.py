@@ -15,7 +15,7 @@ from typing import Any
 
 from llmem_plugin.recipes import Reader
 
-__all__ = ["attention", "deepspeed", "fsdp", "optimizer", "precision"]
+__all__ = ["attention", "deepspeed", "fsdp", "optimizer", "precision", "trainer_fsdp"]
 
 # transformers `optim` -> llmem --optimizer
 HF_OPTIMIZERS = {
@@ -33,7 +33,7 @@ ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash_atten
 
 
 def optimizer(r: Reader, key: str, default: str) -> None:
-    name = str(r.get(key, default))
+    name = r.get(key, default, kind=str)
     if name not in HF_OPTIMIZERS:
         r.refuse(key, name, "this optimizer is not modelled", f"use one of {', '.join(HF_OPTIMIZERS)}")
     r.set(key, name, "--optimizer", HF_OPTIMIZERS[name])
@@ -44,7 +44,7 @@ def attention(r: Reader, key: str, value: str | None) -> None:
     if value is None:
         r.set(key, "default", None)
         return
-    if value not in ATTENTION:
+    if not isinstance(value, str) or value not in ATTENTION:
         r.refuse(key, value, "this attention implementation is not modelled",
                  f"use one of {', '.join(ATTENTION)}")
     r.set(key, value, "--attn", ATTENTION[value])
@@ -71,8 +71,9 @@ def precision(r: Reader, key: str, value: Any, *, bf16: bool, fp16: bool, weight
         r.recipe.bf16_key = f"{key}={value}"
 
 
-def deepspeed(r: Reader, key: str, value: Any) -> None:
-    """A DeepSpeed config (a path, relative to the working directory as the trainer reads it, or a dict)."""
+def deepspeed(r: Reader, key: str, value: Any) -> str:
+    """A DeepSpeed config (a path, relative to the working directory as the trainer reads it, or a dict);
+    returns its method (zero1, zero2, zero3)."""
     import json
 
     from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
@@ -88,6 +89,25 @@ def deepspeed(r: Reader, key: str, value: Any) -> None:
     r.set(key, value if isinstance(value, str) else "{...}", "--deepspeed-config",
           value if isinstance(value, str) else json.dumps(ds))
     r.note(f"{key}: {method} over --gpus N (the world size is not in the file; default 1)")
+    return method
+
+
+def trainer_fsdp(r: Reader) -> bool:
+    """TrainingArguments' ``fsdp`` (a string or list of options) and ``fsdp_config``; True when FSDP is on."""
+    fsdp = r.get("fsdp")
+    if not fsdp:
+        r.ignore("fsdp_config")
+        return False
+    if not isinstance(fsdp, (str, list)):
+        r.bad("fsdp", fsdp, "TrainingArguments takes a string or list of FSDP options", "e.g. fsdp: full_shard")
+    options = fsdp.split() if isinstance(fsdp, str) else [str(o) for o in fsdp]
+    cfg = r.get("fsdp_config", {}, kind=dict)
+    version = cfg.get("version", cfg.get("fsdp_version", 1)) or 1
+    if not isinstance(version, int):
+        r.bad("fsdp_config.version", version, "must be 1 or 2", "set version: 2")
+    fsdp(r, "fsdp", version=version, offload="offload" in options, reshard="shard_grad_op" not in options,
+         checkpointing=cfg.get("activation_checkpointing"))
+    return True
 
 
 def fsdp(r: Reader, key: str, *, version: int, offload: bool, reshard: bool, checkpointing: bool | None) -> None:

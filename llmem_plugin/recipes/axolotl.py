@@ -154,7 +154,9 @@ def _embedding_dtypes(r: Reader, weights: str) -> None:
 
 def _precision(r: Reader) -> str:
     """The weights' dtype, from bf16/fp16/bfloat16 (utils/config/__init__.py resolve_dtype)."""
-    bf16, fp16 = r.get("bf16", "auto"), r.get("fp16", False)
+    bf16, fp16 = r.get("bf16", "auto", kind=(bool, str)), r.get("fp16", False, kind=bool)
+    if fp16 and bf16 == "auto":
+        bf16 = False  # resolve_dtype: fp16 turns bf16 "auto" off
     if r.get("bfloat16", False):
         bf16 = True
     if bf16 in (True, "auto", "full"):
@@ -172,11 +174,11 @@ def _precision(r: Reader) -> str:
 
 
 def _batch(r: Reader) -> None:
-    seq = r.get("sequence_len", 512)  # utils/schemas/config.py
-    mbs = r.get("micro_batch_size", 1)  # utils/schemas/training.py
+    seq = r.get("sequence_len", 512, kind=int)  # utils/schemas/config.py
+    mbs = r.get("micro_batch_size", 1, kind=int)  # utils/schemas/training.py
     r.set("sequence_len", seq, "--seq-len", seq)
     r.set("micro_batch_size", mbs, "--batch-size", mbs)
-    accum = r.get("gradient_accumulation_steps", 1)
+    accum = r.get("gradient_accumulation_steps", 1, kind=int)
     r.set("gradient_accumulation_steps", accum, "--grad-accum", accum)
     if r.get("sample_packing", False):
         attn = _attn_name(r)
@@ -208,23 +210,25 @@ def _adapter(r: Reader, weights: str) -> None:
         r.refuse("adapter", adapter, "only lora and qlora are modelled", "use adapter: lora or qlora")
     if adapter == "qlora" and not four:
         r.bad("adapter", adapter, "Axolotl's qlora requires load_in_4bit: true", "set load_in_4bit: true")
-    rank = r.get("lora_r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    rank = r.get("lora_r", kind=int)
+    if rank is None or rank < 1:
         r.bad("lora_r", rank, "an adapter needs a positive integer rank", "set lora_r, e.g. 16")
     r.set("adapter", adapter, None)
     r.set("lora_r", rank, "--lora-rank", rank)
-    alpha = r.get("lora_alpha")
+    alpha = r.get("lora_alpha", kind=(int, float))
     r.set("lora_alpha", alpha if alpha is not None else "peft default 8", "--lora-alpha",
           alpha if alpha is not None else 8)  # peft LoraConfig lora_alpha=8
-    dropout = r.get("lora_dropout", 0.0)
+    dropout = r.get("lora_dropout", 0.0, kind=(int, float))
     r.set("lora_dropout", dropout, "--lora-dropout", dropout if dropout else None)
     if r.get("lora_target_linear", False):
         r.set("lora_target_linear", True, "--lora-targets", "all-linear")  # every Linear but the output head
         r.ignore("lora_target_modules")
     else:
-        targets = r.get("lora_target_modules")
+        targets = r.get("lora_target_modules", kind=(str, list))
         if isinstance(targets, str):
             targets = [targets]
+        if targets and not all(isinstance(t, str) for t in targets):
+            r.bad("lora_target_modules", targets, "must list module names", "e.g. [q_proj, v_proj]")
         if not targets:
             r.bad("lora_target_modules", targets, "no LoRA targets (peft needs them)",
                   "list modules, or set lora_target_linear: true")
@@ -248,7 +252,7 @@ def _adapter(r: Reader, weights: str) -> None:
 
 
 def _quantization(r: Reader, adapter: str, eight: bool) -> None:
-    kwargs = dict(r.get("bnb_config_kwargs", {}) or {})
+    kwargs = dict(r.get("bnb_config_kwargs", {}, kind=dict))
     r.ignore("bnb_config_kwargs")
     if eight:
         r.set("load_in_8bit", True, "--quantize", "int8")
@@ -280,10 +284,11 @@ def _checkpointing(r: Reader) -> None:
     if gc == "offload_disk" or offload in ("disk", "hidden_states"):
         r.refuse("activation_offloading", offload or gc, "offloading to disk or of hidden states only is not "
                  "modelled", "use activation_offloading: true, or drop it")
-    kwargs = r.get("gradient_checkpointing_kwargs", {}) or {}
-    if gc and kwargs.get("use_reentrant") is True:
-        r.refuse("gradient_checkpointing_kwargs.use_reentrant", True, "reentrant checkpointing is not modelled",
-                 "set use_reentrant: false (Axolotl's default)")
+    kwargs = r.get("gradient_checkpointing_kwargs", {}, kind=dict)
+    reentrant = bool(gc and kwargs.get("use_reentrant") is True)
+    for key in kwargs:
+        if key != "use_reentrant":
+            r.skip(f"gradient_checkpointing_kwargs.{key}", kwargs[key], "not read by the estimate")
     if offload:
         if not gc:
             r.bad("activation_offloading", offload, "Axolotl requires gradient_checkpointing with it",
@@ -293,9 +298,12 @@ def _checkpointing(r: Reader) -> None:
         full = r.get("adapter") is None
         r.set("gradient_checkpointing", gc, "--grad-checkpointing", full)
         r.set("activation_offloading", offload, "--offload-activations", "streamed")
+        reentrant = reentrant and full
     else:
         r.set("gradient_checkpointing", gc, "--grad-checkpointing", bool(gc))
         r.ignore("activation_offloading")
+    if reentrant:
+        r.set("gradient_checkpointing_kwargs.use_reentrant", True, "--checkpoint-reentrant", True)
 
 
 def _attn_name(r: Reader) -> str | None:
@@ -317,7 +325,9 @@ def _attention(r: Reader) -> None:
 
 
 def _loss(r: Reader) -> None:
-    plugins = [str(p) for p in r.get("plugins", []) or []]
+    plugins = r.get("plugins", [], kind=list)
+    if not all(isinstance(p, str) for p in plugins):
+        r.bad("plugins", plugins, "must list plugin class paths", "e.g. [axolotl.integrations.liger.LigerPlugin]")
     cce = any(p.endswith("CutCrossEntropyPlugin") for p in plugins) and r.get("cut_cross_entropy", True)
     liger = any(p.endswith("LigerPlugin") for p in plugins) and r.get("liger_fused_linear_cross_entropy", False)
     if cce and liger:
@@ -341,10 +351,19 @@ def _distributed(r: Reader) -> None:
     if ds is not None:
         _hf.deepspeed(r, "deepspeed", ds)
     if fsdp_cfg is not None or r.get("fsdp"):
+        if fsdp_cfg is not None and not isinstance(fsdp_cfg, dict):
+            r.bad("fsdp_config", fsdp_cfg, "must be a mapping", "write fsdp_config's keys under it")
         cfg = {k.removeprefix("fsdp_"): v for k, v in (fsdp_cfg or {}).items()}  # validation.py strips the prefix
-        version = int(r.get("fsdp_version") or cfg.get("version") or 1)  # validation.py: 1 when unset
-        for k in ("fsdp", "fsdp_version"):
-            r.ignore(k)
+        version = r.get("fsdp_version", kind=int) or cfg.get("version") or 1  # validation.py: 1 when unset
+        if not isinstance(version, int):
+            r.bad("fsdp_config.fsdp_version", version, "must be 1 or 2", "set fsdp_version: 2")
+        r.ignore("fsdp")
         _hf.fsdp(r, "fsdp_config", version=version, offload=bool(cfg.get("offload_params", False)),
                  reshard=cfg.get("reshard_after_forward", True) is not False,
                  checkpointing=cfg.get("activation_checkpointing"))
+        read = {"version", "offload_params", "reshard_after_forward", "activation_checkpointing", "state_dict_type",
+                "auto_wrap_policy", "transformer_layer_cls_to_wrap", "cpu_ram_efficient_loading"}
+        for key, value in cfg.items():
+            if key not in read:
+                r.skip(f"fsdp_config.{key}", value, "not read by the estimate (FSDP2 per decoder layer, in the "
+                       "training dtype)")

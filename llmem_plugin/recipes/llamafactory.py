@@ -159,8 +159,10 @@ def _precision(r: Reader, model: str, method: str, upcast: bool) -> None:
     bf16, fp16, pure = r.get("bf16", False), r.get("fp16", False), r.get("pure_bf16", False)
     weights = _checkpoint_dtype(model)
     if weights is None:
+        mixed = "bf16-mixed" if method == "full" and upcast else "bf16"
         r.require("--precision", f"model_name_or_path={model}: its checkpoint dtype (which LLaMA-Factory loads, "
-                  "torch_dtype='auto') is not known here. HINT: pass --precision (bf16 for a bf16 checkpoint)")
+                  f"torch_dtype='auto') is not known here. HINT: pass --precision ({mixed} for a bf16 checkpoint "
+                  f"{'and fp32 trainable weights' if mixed == 'bf16-mixed' else 'with bf16 training'})")
         return
     if pure:
         weights = "bf16"
@@ -173,7 +175,7 @@ def _precision(r: Reader, model: str, method: str, upcast: bool) -> None:
 
 
 def _batch(r: Reader, stage: str) -> None:
-    cutoff = r.get("cutoff_len", 2048)  # hparams/data_args.py
+    cutoff = r.get("cutoff_len", 2048, kind=int)  # hparams/data_args.py
     packing = r.get("packing", stage == "pt")  # hparams/parser.py: pt packs by default
     if stage == "pt":
         seq = cutoff  # blocks of cutoff_len (data/processor/pretrain.py)
@@ -186,21 +188,22 @@ def _batch(r: Reader, stage: str) -> None:
                "taken at that length (an upper bound; --seq-lens replays a dataset's lengths)")
     r.set("cutoff_len", r.get("cutoff_len", 2048), "--seq-len", seq)
     r.set("packing", packing, None)
-    batch = r.get("per_device_train_batch_size", 8)  # transformers TrainingArguments default
+    batch = r.get("per_device_train_batch_size", 8, kind=int)  # transformers TrainingArguments default
     r.set("per_device_train_batch_size", batch, "--batch-size", batch)
-    accum = r.get("gradient_accumulation_steps", 1)
+    accum = r.get("gradient_accumulation_steps", 1, kind=int)
     r.set("gradient_accumulation_steps", accum, "--grad-accum", accum)
 
 
 def _lora(r: Reader, upcast: bool) -> None:
-    rank = r.get("lora_rank", 8)  # hparams/finetuning_args.py
-    alpha = r.get("lora_alpha") or 2 * rank  # __post_init__: lora_rank * 2
+    rank = r.get("lora_rank", 8, kind=int)  # hparams/finetuning_args.py
+    alpha = r.get("lora_alpha", kind=(int, float)) or 2 * rank  # __post_init__: lora_rank * 2
     r.set("lora_rank", rank, "--lora-rank", rank)
     r.set("lora_alpha", r.get("lora_alpha", f"2 x rank = {alpha}"), "--lora-alpha", alpha)
     dropout = r.get("lora_dropout", 0.0)
     r.set("lora_dropout", dropout, "--lora-dropout", dropout if dropout else None)
-    target = r.get("lora_target", "all")
-    targets = [t.strip() for t in str(target).split(",") if t.strip()]
+    target = r.get("lora_target", "all", kind=(str, list))  # a list, or comma-separated (split_arg)
+    parts = target if isinstance(target, list) else str(target).split(",")
+    targets = [str(t).strip() for t in parts if str(t).strip()]
     # "all": every Linear but the output head (model/model_utils/misc.py find_all_linear_modules)
     r.set("lora_target", target, "--lora-targets", "all-linear" if targets == ["all"] else ",".join(targets))
     r.set("(upcast)", "trainable parameters to fp32" if upcast else "adapters in the model's dtype",
@@ -241,15 +244,6 @@ def _distributed(r: Reader) -> bool:
     """DeepSpeed or FSDP from the trainer's keys; True under ZeRO-3."""
     ds = r.get("deepspeed")
     if ds is not None:
-        _hf.deepspeed(r, "deepspeed", ds)
-        from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
-
-        return deepspeed_method(read_deepspeed_config(r.recipe.options["--deepspeed-config"]))[0] == "zero3"
-    fsdp = r.get("fsdp")
-    if fsdp:
-        options = fsdp.split() if isinstance(fsdp, str) else list(fsdp)
-        cfg = r.get("fsdp_config", {}) or {}
-        _hf.fsdp(r, "fsdp", version=int(cfg.get("version", cfg.get("fsdp_version", 1)) or 1),
-                 offload="offload" in options, reshard="shard_grad_op" not in options,
-                 checkpointing=cfg.get("activation_checkpointing"))
+        return _hf.deepspeed(r, "deepspeed", ds) == "zero3"
+    _hf.trainer_fsdp(r)
     return False

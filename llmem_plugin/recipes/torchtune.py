@@ -113,11 +113,11 @@ def _model(r: Reader) -> None:
         if extra:
             r.bad(f"model.{extra[0]}", block[extra[0]], f"{base} takes no arguments", "drop it")
         return
-    rank = r.get("model.lora_rank", 8)  # the builders' defaults
-    alpha = r.get("model.lora_alpha", 16)
-    dropout = r.get("model.lora_dropout", 0.0)
+    rank = r.get("model.lora_rank", 8, kind=int)  # the builders' defaults
+    alpha = r.get("model.lora_alpha", 16, kind=(int, float))
+    dropout = r.get("model.lora_dropout", 0.0, kind=(int, float))
     attn = r.get("model.lora_attn_modules")
-    if not isinstance(attn, list) or not attn or any(a not in _ATTN for a in attn):
+    if not isinstance(attn, list) or not attn or any(not isinstance(a, str) or a not in _ATTN for a in attn):
         r.bad("model.lora_attn_modules", attn, f"must list some of {', '.join(_ATTN)} (required by the builder)",
               "e.g. ['q_proj', 'v_proj', 'output_proj']")
     targets = [_ATTN[a] for a in attn]
@@ -140,6 +140,7 @@ def _model(r: Reader) -> None:
 
 def _batch(r: Reader) -> None:
     r.set("batch_size", r.get("batch_size"), "--batch-size", _positive(r, "batch_size"))
+    r.get("tokenizer.max_seq_len", kind=int)
     r.set("gradient_accumulation_steps", r.get("gradient_accumulation_steps"), "--grad-accum",
           _positive(r, "gradient_accumulation_steps"))
     seq = r.get("tokenizer.max_seq_len")
@@ -148,11 +149,11 @@ def _batch(r: Reader) -> None:
                   "which the file does not bound. HINT: pass --seq-len (the longest sample), or set max_seq_len")
     else:
         r.set("tokenizer.max_seq_len", seq, "--seq-len", seq)
-        if not r.get("dataset.packed", False):
+        if not _packed(r):
             r.note("an unpacked batch is padded to its longest sample, at most tokenizer.max_seq_len: the "
                    "estimate takes every batch at max_seq_len (an upper bound; --seq-lens replays a dataset's "
                    "lengths)")
-    if r.get("dataset.packed", False):
+    if _packed(r):
         r.refuse("dataset.packed", True, "torchtune's packed batches run flex attention with a document BlockMask, "
                  "which is not modelled", "set packed: False, or estimate --seq-len max_seq_len as a padded batch")
     collate = r.get("collate_fn", "torchtune.data.padded_collate_sft")
@@ -161,14 +162,14 @@ def _batch(r: Reader) -> None:
 
 
 def _numerics(r: Reader) -> None:
-    dtype = r.get("dtype")
+    dtype = r.get("dtype", kind=str)
     if dtype not in _DTYPES:
         if dtype in ("fp16", "float16"):
             r.bad("dtype", dtype, "torchtune's recipes reject fp16 (lora_finetune_single_device.py)", "use bf16")
         r.bad("dtype", dtype, "not a torchtune dtype", "use bf16 or fp32")
     r.set("dtype", dtype, "--precision", _DTYPES[dtype])  # pure dtype, no autocast
     comp = r.get("optimizer._component_")
-    if comp not in _OPTIMIZERS:
+    if not isinstance(comp, str) or comp not in _OPTIMIZERS:
         r.refuse("optimizer._component_", comp, "this optimizer is not modelled",
                  f"use one of {', '.join(_OPTIMIZERS)}")
     kind = _OPTIMIZERS[comp]
@@ -196,19 +197,25 @@ def _numerics(r: Reader) -> None:
 
 
 def _memory(r: Reader) -> None:
-    ac = bool(r.get("enable_activation_checkpointing", False))
-    mode = r.get("ac_mode")
+    ac = r.get("enable_activation_checkpointing", False, kind=bool)
+    mode = r.get("ac_mode", kind=str)
     if mode is not None and not ac:  # full_finetune_distributed.py: ac_mode only when the flag is off
         option = r.get("ac_option")
-        if mode != "selective" or not isinstance(option, int) or option < 0:
+        if mode != "selective" or isinstance(option, bool) or not isinstance(option, int) or option < 0:
             r.refuse("ac_option", option, "only selective layer checkpointing (an integer ac_option) is modelled; "
                      "torchtune 0.6.1 raises on 'op'", "set ac_option to an integer")
         r.set("ac_mode", mode, "--grad-checkpointing", True)
         r.set("ac_option", option, "--checkpoint-every", option if option > 1 else None)
+    elif mode is not None:
+        # full_finetune_distributed.py applies selective AC only with the flag off and full AC only with ac_mode
+        # unset: both set, no layer is checkpointed
+        r.set("enable_activation_checkpointing", ac, None)
+        r.set("ac_mode", mode, None)
+        r.note("enable_activation_checkpointing and ac_mode together: the distributed recipe checkpoints no layer "
+               "(estimated so)")
+        r.ignore("ac_option")
     else:
         r.set("enable_activation_checkpointing", ac, "--grad-checkpointing", ac)
-        if mode is not None:
-            r.skip("ac_mode", mode, "ignored by the recipe when enable_activation_checkpointing is True")
         r.ignore("ac_option")
     if r.get("enable_activation_offloading", False):
         if not ac:
@@ -252,3 +259,11 @@ def _positive(r: Reader, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         r.bad(key, value, "must be a positive integer (the recipe requires it)", f"set {key}: 1 or more")
     return value
+
+
+def _packed(r: Reader) -> bool:
+    """``dataset.packed``, for one dataset or a list of them (the recipe concatenates a list)."""
+    dataset = r.raw.get("dataset")
+    datasets = dataset if isinstance(dataset, list) else [dataset]
+    r.ignore("dataset.packed")
+    return any(isinstance(d, dict) and d.get("packed") for d in datasets)

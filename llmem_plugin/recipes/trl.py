@@ -97,7 +97,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
         r.require("--model", "the file names no model_name_or_path (an SFTConfig holds none). HINT: pass --model")
     r.set("(trainer)", "SFTTrainer (transformers Trainer)", "--runner", "hf-trainer")
     r.set("(loss)", "TRL's fused LM head (add_fused_lm_head)", "--loss", "trl-fused")
-    init = dict(r.get("model_init_kwargs", {}) or {})
+    init = _mapping(r, "model_init_kwargs")
     quantized = _quantization(r)
     weights = _precision(r, init, quantized)
     _batch(r)
@@ -110,7 +110,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
     if r.get("completion_only_loss") or r.get("assistant_only_loss"):
         r.note("completion/assistant-only loss: the fused head scores only those tokens; every token is estimated "
                "(an upper bound)")
-    if (r.get("dataset_kwargs") or {}).get("skip_prepare_dataset"):
+    if _mapping(r, "dataset_kwargs").get("skip_prepare_dataset"):
         r.note("dataset_kwargs.skip_prepare_dataset: TRL does not truncate to max_length; rows are taken at "
                "max_length")
     _distributed(r)
@@ -164,15 +164,19 @@ def _quantization(r: Reader) -> bool:
 
 
 def _batch(r: Reader) -> None:
-    max_length = r.get("max_length", 1024)  # sft_config.py
-    batch = r.get("per_device_train_batch_size", 8)  # TrainingArguments
+    max_length = r.raw.get("max_length", 1024)  # sft_config.py; null (no truncation) is a value here
+    r.get("max_length", kind=int)
+    batch = r.get("per_device_train_batch_size", 8, kind=int)  # TrainingArguments
     r.set("per_device_train_batch_size", batch, "--batch-size", batch)
-    accum = r.get("gradient_accumulation_steps", 1)
+    accum = r.get("gradient_accumulation_steps", 1, kind=int)
     r.set("gradient_accumulation_steps", accum, "--grad-accum", accum)
-    packing = r.get("packing", False)
-    strategy = r.get("packing_strategy", "bfd")
+    packing = r.get("packing", False, kind=bool)
+    strategy = r.get("packing_strategy", "bfd", kind=str)
+    strategy = {"bfd-requeue": "bfd_split"}.get(strategy, strategy)  # sft_config.py: the old name
+    if strategy not in ("bfd", "bfd_split", "wrapped"):
+        r.bad("packing_strategy", strategy, "not one of bfd, bfd_split, wrapped", "pick one")
     padding_free = r.get("padding_free", False) or (packing and strategy in ("bfd", "bfd_split"))
-    if r.get("padding_free", False) and not packing and r.raw.get("max_length", 1024) is not None:
+    if r.get("padding_free", False) and not packing and max_length is not None:
         r.bad("padding_free", True, "TRL requires max_length: null for padding-free without packing "
               "(sft_trainer.py)", "set packing: true, or max_length: null")
     if max_length is None:
@@ -184,9 +188,8 @@ def _batch(r: Reader) -> None:
     if padding_free:
         r.set("packing_strategy" if packing else "padding_free", strategy if packing else True,
               "--packed-boundaries", "collator")
-        r.require("--packed-docs", "packing: true (bfd) packs whole samples into rows of max_length and sends the "
-                  "micro-batch as one row, but how many fit depends on the dataset. HINT: pass --packed-docs N "
-                  "(documents per micro-batch)")
+        r.require("--packed-docs", "padding-free batches send the micro-batch's samples as one row, but how many "
+                  "fit depends on the dataset. HINT: pass --packed-docs N (documents per micro-batch)")
         r.note("packing: every row is taken full (per_device_train_batch_size x max_length tokens: an upper bound)")
     elif packing:
         r.set("packing_strategy", strategy, None)
@@ -200,15 +203,18 @@ def _peft(r: Reader, model: str, weights: str, quantized: bool) -> None:
     if not r.get("use_peft", False):
         r.ignore("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
         return
-    rank, alpha, dropout = r.get("lora_r", 16), r.get("lora_alpha", 32), r.get("lora_dropout", 0.05)
+    rank, alpha = r.get("lora_r", 16, kind=int), r.get("lora_alpha", 32, kind=(int, float))
+    dropout = r.get("lora_dropout", 0.05, kind=(int, float))
     r.set("use_peft", True, None)
     r.set("lora_r", rank, "--lora-rank", rank)
     r.set("lora_alpha", alpha, "--lora-alpha", alpha)
     r.set("lora_dropout", dropout, "--lora-dropout", dropout if dropout else None)
-    targets = r.get("lora_target_modules")
+    targets = r.get("lora_target_modules", kind=(str, list))
     if targets is None:
         targets = _default_targets(r, model)
     elif isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            r.bad("lora_target_modules", targets, "must list module names", "e.g. [q_proj, v_proj]")
         targets = ",".join(targets)
     if targets in ("all-linear", "all_linear"):
         targets = "all-linear"
@@ -237,6 +243,14 @@ def _checkpointing(r: Reader) -> None:
     gc = r.get("gradient_checkpointing", r.get("activation_checkpointing", True))  # base_config.py: True
     r.set("gradient_checkpointing", gc, "--grad-checkpointing", bool(gc))
     kwargs = r.get("gradient_checkpointing_kwargs") or r.get("activation_checkpointing_kwargs") or {}
+    if isinstance(kwargs, str):  # TrainingArguments takes a JSON string too
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        r.bad("gradient_checkpointing_kwargs", kwargs, "must be a mapping (or its JSON)", "e.g. {use_reentrant: "
+              "false}")
     if gc and kwargs.get("use_reentrant"):
         r.set("gradient_checkpointing_kwargs.use_reentrant", True, "--checkpoint-reentrant", True)
     for key in kwargs:
@@ -249,28 +263,44 @@ def _checkpointing(r: Reader) -> None:
 def _distributed(r: Reader) -> None:
     ds = r.get("deepspeed")
     if ds:
-        _hf.deepspeed(r, "deepspeed", ds)
+        method = _hf.deepspeed(r, "deepspeed", ds)
+        _sharded(r, "deepspeed", method)
         return
-    fsdp = r.get("fsdp")
-    if fsdp:
-        options = fsdp.split() if isinstance(fsdp, str) else list(fsdp)
-        cfg = r.get("fsdp_config", {}) or {}
-        _hf.fsdp(r, "fsdp", version=int(cfg.get("version", cfg.get("fsdp_version", 1)) or 1),
-                 offload="offload" in options, reshard="shard_grad_op" not in options,
-                 checkpointing=cfg.get("activation_checkpointing"))
+    if _hf.trainer_fsdp(r):
+        _sharded(r, "fsdp", "fsdp")
         return
-    preset = r.get("accelerate_config")
+    preset = r.get("accelerate_config", kind=str)
     if preset is not None:
         if preset not in _ACCELERATE:
             r.refuse("accelerate_config", preset, "only TRL's shipped presets are mapped",
                      f"use one of {', '.join(_ACCELERATE)}")
         if _ACCELERATE[preset]:
+            _sharded(r, "accelerate_config", _ACCELERATE[preset])
             r.set("accelerate_config", preset, "--method", _ACCELERATE[preset])
         else:
             r.set("accelerate_config", preset, None)
-    processes = r.get("num_processes")
+    processes = r.get("num_processes", kind=int)
     if processes is not None:
         r.set("num_processes", processes, "--gpus", processes)
     elif preset not in (None, "single_gpu"):
         r.note(f"accelerate_config: {preset}: the world size is not in the file: pass --gpus N (the preset's "
                "num_processes is 8)")
+
+
+def _sharded(r: Reader, key: str, method: str) -> None:
+    """TRL's fused head under a method that shards lm_head (ZeRO-3, FSDP) is not modelled: refuse it here."""
+    if method in ("zero3", "fsdp"):
+        r.refuse(key, method, "TRL's fused head gathers the sharded lm_head itself (trainer/utils.py "
+                 "maybe_gather_lm_head_ctx, full_tensor), which is not modelled", "estimate with ZeRO-1/2 or DDP")
+
+
+def _mapping(r: Reader, key: str) -> dict:
+    value = r.get(key, {})
+    if isinstance(value, str):  # TrainingArguments takes dict arguments as JSON strings too
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, dict):
+        r.bad(key, value, "must be a mapping (or its JSON)", f"fix {key}")
+    return value

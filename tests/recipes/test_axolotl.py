@@ -90,14 +90,42 @@ def test_schema_defaults(tmp_path):
 @pytest.mark.parametrize("extra, exc, needle", [
     ("rl: dpo\n", UnsupportedError, "rl=dpo"),
     ("peft_use_dora: true\n", UnsupportedError, "peft_use_dora"),
-    ("gradient_checkpointing: true\ngradient_checkpointing_kwargs: {use_reentrant: true}\n", UnsupportedError,
-     "use_reentrant"),
     ("sample_packing: true\n", UnsupportedError, "sample_packing"),  # under sdpa
     ("plugins: [axolotl.integrations.foo.FooPlugin]\n", UnsupportedError, "FooPlugin"),
 ])
 def test_refusals(tmp_path, extra, exc, needle):
     with pytest.raises(exc, match=needle):
         read_recipe(_write(tmp_path, _BASE + extra))
+
+
+def test_reentrant_checkpointing(tmp_path):
+    o = read_recipe(_write(tmp_path, _BASE + "gradient_checkpointing: true\n"
+                                              "gradient_checkpointing_kwargs: {use_reentrant: true}\n")).options
+    assert o["--grad-checkpointing"] and o["--checkpoint-reentrant"]
+
+
+def test_fp16_turns_bf16_auto_off(tmp_path):
+    """utils/config resolve_dtype: fp16 with bf16 auto loads fp16 weights, which are refused."""
+    with pytest.raises(UnsupportedError, match="fp16 weights"):
+        read_recipe(_write(tmp_path, _BASE + "fp16: true\n"))
+
+
+@pytest.mark.parametrize("extra, key", [
+    ("gradient_checkpointing_kwargs: [x]\n", "gradient_checkpointing_kwargs"),
+    ("lora_target_modules: [1, 2]\n", "lora_target_modules"),
+    ("sequence_len: '1024'\n", "sequence_len"),
+    ("attn_implementation: [sdpa]\n", "attn_implementation"),
+    ("fsdp_config: [a]\n", "fsdp_config"),
+    ("plugins: axolotl.integrations.liger.LigerPlugin\n", "plugins"),
+])
+def test_wrong_types_are_one_line(tmp_path, capsys, extra, key):
+    from tests.cli._run import run
+
+    text = _BASE.replace("lora_target_modules: [q_proj, v_proj]\n", "") if "lora_target" in extra else _BASE
+    text = text.replace("sequence_len: 1024\n", "") if "sequence_len" in extra else text
+    code, _, err = run(capsys, "estimate", "--config", _write(tmp_path, text + extra))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and key in lines[0], err
 
 
 def test_qlora_needs_4bit(tmp_path):
