@@ -385,28 +385,39 @@ def _forward_replaced(causal_lm: PreTrainedModel, head) -> Iterator[None]:
 # ----------------------------------------------------------------------------- cut cross-entropy
 
 
-def _cce_head(causal_lm: PreTrainedModel):
-    """The ``cut_cross_entropy.transformers`` patched forward after the base model:
-    ``linear_cross_entropy(hidden, lm_head.weight, labels, shift=True, softcap=...)``."""
+def _projection_only(causal_lm: PreTrainedModel, loss: str) -> float | None:
+    """The final-logit softcap of a model whose forward only projects (and softcaps) the last hidden state, as
+    the fused heads (cut-cross-entropy's, TRL's) read it; others raise."""
     try:
         logit_transform(causal_lm)  # only its projection, or softcapping, or a logit scale
     except ConfigError:
-        raise ConfigError(f"--loss cce is not modelled for '{type(causal_lm).__name__}': its forward does more to "
-                          "the logits than project and softcap them. HINT: use --loss hf or --loss no-upcast") from None
+        raise ConfigError(f"--loss {loss} is not modelled for '{type(causal_lm).__name__}': its forward does more "
+                          "to the logits than project and softcap them. HINT: use --loss hf") from None
     cfg = causal_lm.config
     if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0) or hasattr(causal_lm, "logit_scale"):
-        raise ConfigError(f"--loss cce is not modelled for '{type(causal_lm).__name__}': it scales its logits, and "
-                          "cut-cross-entropy takes no logit scale. HINT: use --loss hf or --loss no-upcast")
-    softcap = getattr(cfg, "final_logit_softcapping", None)
+        raise ConfigError(f"--loss {loss} is not modelled for '{type(causal_lm).__name__}', which scales its "
+                          "logits. HINT: use --loss hf")
+    return getattr(cfg, "final_logit_softcapping", None)
+
+
+def _head_weight(causal_lm: PreTrainedModel, loss: str) -> torch.Tensor:
+    """``lm_head.weight`` of a plain bias-free ``nn.Linear``, which the fused heads multiply by themselves."""
+    lm_head = causal_lm.get_output_embeddings()
+    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
+        raise ConfigError(f"--loss {loss} reads lm_head.weight of a plain bias-free nn.Linear; this model's head is "
+                          f"'{type(lm_head).__name__}'. HINT: leave lm_head out of --lora-targets, or use --loss hf")
+    return lm_head.weight
+
+
+def _cce_head(causal_lm: PreTrainedModel):
+    """The ``cut_cross_entropy.transformers`` patched forward after the base model:
+    ``linear_cross_entropy(hidden, lm_head.weight, labels, shift=True, softcap=...)``."""
+    softcap = _projection_only(causal_lm, "cce")
 
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from llmem_plugin.cce import cce_loss
 
-        lm_head = self.get_output_embeddings()
-        if type(lm_head) is not nn.Linear or lm_head.bias is not None:
-            raise ConfigError(f"--loss cce reads lm_head.weight of a plain bias-free nn.Linear; this model's head is "
-                              f"'{type(lm_head).__name__}'. HINT: leave lm_head out of --lora-targets, or use --loss hf")
-        return cce_loss(hidden, lm_head.weight, labels, softcap)
+        return cce_loss(hidden, _head_weight(self, "cce"), labels, softcap)
 
     return head
 
@@ -415,27 +426,14 @@ def _cce_head(causal_lm: PreTrainedModel):
 
 
 def _trl_head(causal_lm: PreTrainedModel):
-    """TRL 1.16 ``_fused_forward`` after the backbone, with SFTTrainer's loss (:mod:`llmem_plugin.trl_head`)."""
-    try:
-        logit_transform(causal_lm)
-    except ConfigError:
-        raise ConfigError(f"--loss trl-fused is not modelled for '{type(causal_lm).__name__}': its forward does more "
-                          "to the logits than project and softcap them. HINT: use --loss hf") from None
-    cfg = causal_lm.config
-    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0) or hasattr(causal_lm, "logit_scale"):
-        raise ConfigError(f"--loss trl-fused is not modelled for '{type(causal_lm).__name__}', which scales its "
-                          "logits. HINT: use --loss hf")
-    softcap = getattr(cfg, "final_logit_softcapping", None)
+    """TRL 1.16 ``_fused_forward`` after the backbone, with SFTTrainer's loss (:mod:`llmem_plugin.trl_head`);
+    TRL itself refuses a LoRA on ``lm_head``."""
+    softcap = _projection_only(causal_lm, "trl-fused")
 
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from llmem_plugin.trl_head import fused_sft_loss
 
-        lm_head = self.get_output_embeddings()
-        if type(lm_head) is not nn.Linear or lm_head.bias is not None:
-            raise ConfigError(f"--loss trl-fused reads lm_head.weight of a plain bias-free nn.Linear; this model's "
-                              f"head is '{type(lm_head).__name__}' (TRL refuses a LoRA on lm_head). HINT: leave "
-                              "lm_head out of --lora-targets")
-        return fused_sft_loss(hidden, lm_head.weight, labels, softcap=softcap)
+        return fused_sft_loss(hidden, _head_weight(self, "trl-fused"), labels, softcap=softcap)
 
     return head
 

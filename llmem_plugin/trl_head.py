@@ -79,12 +79,7 @@ class _MaskGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mask, n):
-        nz = _nonzero(mask, n)
-        out = x.new_empty((n, *x.shape[mask.dim():]))
-        if not is_fake(x):
-            with untracked():
-                out.copy_(x[mask])
-        del nz
+        out = _gather(x, mask, n)
         ctx.save_for_backward(mask)
         ctx.shape, ctx.n = x.shape, n
         return out

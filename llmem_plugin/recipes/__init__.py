@@ -156,6 +156,12 @@ class Reader:
     def ignore(self, *keys: str) -> None:
         self.seen.update(keys)
 
+    def refuse_set(self, refused: dict[str, str]) -> None:
+        """Refuse the first key of ``refused`` (key -> why) the file sets to a true value."""
+        for key, why in refused.items():
+            if self.raw.get(key):
+                self.refuse(key, self.raw[key], why, f"drop {key} to estimate the rest")
+
     def refuse(self, key: str, value: Any, why: str, hint: str) -> None:
         raise UnsupportedError(f"{self.where(key)}={_text(value)}: {why}. HINT: {hint}")
 

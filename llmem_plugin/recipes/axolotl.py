@@ -110,9 +110,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
         UnsupportedError: A key whose effect on memory cannot be bounded (see ``_REFUSED``).
     """
     r = Reader(Recipe("axolotl", path, f"axolotl {VERSION}"), raw)
-    for key, why in _REFUSED.items():
-        if raw.get(key):
-            r.refuse(key, raw[key], why, f"drop {key} to estimate the rest")
+    r.refuse_set(_REFUSED)
     model = r.get("base_model")
     if not isinstance(model, str):
         r.bad("base_model", model, "Axolotl requires the model (utils/schemas/model.py)", "set base_model")

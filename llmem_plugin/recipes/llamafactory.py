@@ -91,9 +91,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
         UnsupportedError: A stage, method or option whose memory is not modelled (see ``_REFUSED``).
     """
     r = Reader(Recipe("llamafactory", path, f"llamafactory {VERSION}"), raw)
-    for key, why in _REFUSED.items():
-        if raw.get(key):
-            r.refuse(key, raw[key], why, f"drop {key} to estimate the rest")
+    r.refuse_set(_REFUSED)
     stage = r.get("stage", "sft")  # hparams/finetuning_args.py
     if stage not in ("sft", "pt"):
         r.refuse("stage", stage, "only the sft and pt stages are mapped (preference stages run a reference model "

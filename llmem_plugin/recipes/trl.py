@@ -85,9 +85,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
         UnsupportedError: A key whose memory is not modelled (see ``_REFUSED``).
     """
     r = Reader(Recipe("trl", path, f"trl {VERSION} (SFTTrainer)"), raw)
-    for key, why in _REFUSED.items():
-        if raw.get(key):
-            r.refuse(key, raw[key], why, f"drop {key} to estimate the rest")
+    r.refuse_set(_REFUSED)
     if r.get("loss_type", "nll") not in ("nll", "chunked_nll", "dft"):
         r.refuse("loss_type", r.get("loss_type"), "only nll (and its dft reweighting) is modelled", "use nll")
     model = r.get("model_name_or_path")
