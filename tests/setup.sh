@@ -30,6 +30,8 @@ BUILD_EXT=0 "${PIP[@]}" --no-deps "colossalai==0.5.0" "galore_torch==1.0"
 # (Lightning, transformers' tokenizers and hub client, PyYAML) the test extra brings.
 "${PIP[@]}" --no-deps "litgpt==0.4.13"
 rm -rf .frameworks
+# torchtune's package import also loads its tokenizers (sentencepiece, tiktoken).
 "${PIP[@]}" --no-deps --target .frameworks "torchtune==0.6.1" "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" \
+    "sentencepiece==0.2.1" "tiktoken==0.12.0" \
     "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5" "trl==1.16.0"
 stubcuda/setup.sh "$PY"
