@@ -52,6 +52,14 @@ def test_mapping_matches_llamafactory_parser(path):
         assert "--quantize" not in o
 
 
+def test_schema_keys_match_the_wheel():
+    import json
+    from importlib import resources
+
+    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("llamafactory_keys.json").read_text())
+    assert shipped["keys"] == run_probe("llamafactory_args.py", "--keys")
+
+
 def _write(tmp_path, text):
     p = tmp_path / "job.yaml"
     p.write_text(text)

@@ -10,7 +10,7 @@ parsed value: the version check is off (DISABLE_VERSION_CHECK, its own switch:
 parser imports (hparams/evaluation_args.py); ``use_cpu: true`` is added because
 TrainingArguments refuses bf16 on a machine without a GPU. ``deepspeed`` is
 dropped before parsing (the parser insists on a torchrun launch) and read by
-the test from the YAML.
+the test from the YAML. With ``--keys`` it prints LLaMA-Factory's own argument names instead.
 """
 
 import json
@@ -33,6 +33,14 @@ os.environ["DISABLE_VERSION_CHECK"] = "1"
 import yaml  # noqa: E402
 from llamafactory.hparams import get_train_args  # noqa: E402
 
+if sys.argv[1] == "--keys":  # the four LLaMA-Factory dataclasses' fields (TrainingArguments' are transformers')
+    import dataclasses
+
+    from llamafactory.hparams import DataArguments, FinetuningArguments, GeneratingArguments, ModelArguments
+
+    print(json.dumps(sorted({f.name for c in (ModelArguments, DataArguments, FinetuningArguments,
+                                                GeneratingArguments) for f in dataclasses.fields(c)})))
+    sys.exit(0)
 with open(sys.argv[1], encoding="utf-8") as f:
     cfg = yaml.safe_load(f)
 cfg.pop("deepspeed", None)
