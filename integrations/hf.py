@@ -125,7 +125,11 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
     # transformers 5 renamed the kwargs to activation_checkpointing_kwargs (the old name is an alias)
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
     save_ops = checkpointing.policy_of(kwargs) if gc else None
-    return Workload(seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
+    from llmem_plugin.trl_head import has_fused_head
+
+    # TRL's trainers score the tokens with their fused LM head (llmem_plugin.trl_head), not the model's loss.
+    loss = "trl-fused" if has_fused_head(live.module) else "hf"
+    return Workload(loss=loss, seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
@@ -181,6 +185,31 @@ def _real_process_group_set_aside():
     from llmem_plugin.methods._fakepg import real_process_groups_set_aside
 
     return real_process_groups_set_aside()
+
+
+# TRL trainers whose training step the estimate runs: SFTTrainer's compute_loss is the fused head's
+# negative log-likelihood over the batch (llmem_plugin.trl_head, trl 1.16 sft_trainer.py).
+_TRL_MODELLED = ("SFTTrainer",)
+
+
+def _check_trainer(trainer: Any) -> None:
+    """Refuse a TRL trainer whose step is not the one estimated.
+
+    DPO adds a reference forward and a preference loss over concatenated chosen and rejected rows; GRPO,
+    RLOO and online trainers generate completions (a KV cache) before each step; KTO, reward and
+    distillation trainers run other losses and models. Estimating them as SFT would be a different job.
+
+    Raises:
+        UnsupportedError: A TRL trainer other than SFTTrainer.
+    """
+    if trainer is None:
+        return
+    trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"]
+    if trl_classes and not any(c.__name__ in _TRL_MODELLED for c in trl_classes):
+        name = trl_classes[0].__name__
+        raise UnsupportedError(f"TRL's {name} is not modelled (its step is not SFT's: a reference model, a "
+                               "preference or RL loss, or generation), so the job is not checked. HINT: for DPO, `llmem estimate "
+                               "--reference-model` bounds the step with full logits")
 
 
 def _find_trainer() -> Any:
@@ -289,6 +318,7 @@ class LLMemCallback(TrainerCallback):
         batch = dims[0] if dims else int(self._args.per_device_train_batch_size)
         seq_len = self.seq_len or dims[1]
         try:
+            _check_trainer(self._trainer)
             job = job_of(self._args)
             wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in),
                            _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in))

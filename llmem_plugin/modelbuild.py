@@ -335,7 +335,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                     "quantization, so the methods and the loading that depend on it would not be checked. HINT: "
                     "pass Workload(**llmem_plugin.quant.live_quantization(model), lora=...) (the adapters do)")
             adopt_live_lora(model)
-        elif workload.precision.param_dtype != torch.float32:
+        elif workload.precision.param_dtype != torch.float32 and _runner_casts(model, workload):
             model.to(workload.precision.param_dtype)
     else:
         from llmem_plugin.tasks import Task, auto_class, config_task
@@ -521,6 +521,25 @@ def _refuse_live_quantized(module: nn.Module) -> None:
             "estimate the recipe from its config with --quantize")
 
 
+def _runner_casts(model: nn.Module, workload: Workload) -> bool:
+    """Whether the job casts a live model to ``workload``'s parameter dtype before training.
+
+    A model already in that dtype (most of its floating-point elements) trains as it is under HF Trainer
+    and plain loops: peft's fp32 adapters on a 16-bit base (``autocast_adapter_dtype``, its default) stay
+    fp32. Lightning's true-precision plugins cast the whole module (``module.to(dtype)`` in
+    ``HalfPrecision.convert_module``), adapters included; a model in another dtype is cast in any case.
+    """
+    from llmem_plugin.workload import Runner
+
+    if workload.runner is Runner.LIGHTNING:
+        return True
+    elements: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    return not elements or max(elements, key=elements.get) != workload.precision.param_dtype
+
+
 def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.Module:
     """Deep-copy ``module`` with every parameter and buffer replaced by a meta
     tensor; bitsandbytes 4-bit layers become their stand-ins
@@ -535,7 +554,11 @@ def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.M
             continue
         meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    from llmem_plugin.trl_head import drop_fused_forwards
+
+    model = copy.deepcopy(module, memo)
+    drop_fused_forwards(model)
+    return model
 
 
 def adapters_to(model: nn.Module, dtype: torch.dtype) -> None:

@@ -51,13 +51,37 @@ from torch._subclasses.fake_tensor import is_fake
 
 from llmem_plugin._pause import untracked
 
-__all__ = ["IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "fused_sft_loss"]
+__all__ = ["IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "fused_sft_loss", "has_fused_head",
+           "drop_fused_forwards"]
 
 IGNORE_INDEX = -100
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 # SFTTrainer: add_fused_lm_head(outputs=("log_probs", "entropy", "is_top1")) (sft_trainer.py)
 SFT_OUTPUTS = ("entropy", "is_top1")
+
+
+def _is_fused_forward(fn: object) -> bool:
+    """``fn`` is the ``_fused_forward`` that ``add_fused_lm_head`` binds to a model instance
+    (trl/trainer/utils.py; ``functools.wraps`` gives it the class forward's name, not its code's)."""
+    code = getattr(getattr(fn, "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and \
+        code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py")
+
+
+def has_fused_head(module: torch.nn.Module) -> bool:
+    """Whether TRL's trainer patched ``module`` (or a module inside it, a peft model's base model) with its
+    fused LM head: SFTTrainer always does (trl 1.16 sft_trainer.py, ``add_fused_lm_head``)."""
+    return any(_is_fused_forward(m.__dict__.get("forward")) for m in module.modules())
+
+
+def drop_fused_forwards(module: torch.nn.Module) -> None:
+    """Remove TRL's per-instance forward from a copy of a live model. Its closure calls the live model's
+    original forward (``original_forward``), so a copy would run the live weights; the estimate replaces
+    the head itself (``--loss trl-fused``)."""
+    for m in module.modules():
+        if _is_fused_forward(m.__dict__.get("forward")):
+            del m.__dict__["forward"]
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -14,7 +14,9 @@
 #     mapping (tests/recipes/), without their dependencies, to .frameworks/
 #     (not the project's environment: omegaconf needs antlr4 4.9, and Axolotl
 #     and LLaMA-Factory pin other transformers); the probes put it on
-#     PYTHONPATH in a subprocess;
+#     PYTHONPATH in a subprocess; TRL's trainers run live there too, with
+#     datasets 5.2.0 and what it imports (trl 1.16.0 and datasets METADATA:
+#     dill<0.4.2, multiprocess<0.70.20, pandas, pyarrow>=24, xxhash);
 #   - the stub CUDA device (stubcuda/setup.sh: a second venv with torch's CUDA
 #     build, installed --no-deps, and the C stand-ins).
 # Usage: tests/setup.sh [PYTHON]   (default: python)
@@ -33,5 +35,6 @@ rm -rf .frameworks
 # torchtune's package import also loads its tokenizers (sentencepiece, tiktoken).
 "${PIP[@]}" --no-deps --target .frameworks "torchtune==0.6.1" "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" \
     "sentencepiece==0.2.1" "tiktoken==0.12.0" \
-    "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5" "trl==1.16.0"
+    "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5" "trl==1.16.0" \
+    "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" "pandas==3.1.1" "pyarrow==26.0.1" "xxhash==4.1.0"
 stubcuda/setup.sh "$PY"

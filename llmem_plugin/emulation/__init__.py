@@ -13,7 +13,9 @@ behaviour for the duration of the trace:
   allocate its scratch buffer and semaphores, and the first cuBLAS call of
   each phase marks where its thread's workspace is created (:mod:`.kernels`);
 * transformers builds the same causal mask (none) it builds in a real run
-  (:func:`_real_run_masking`).
+  (:func:`_real_run_masking`);
+* TRL's fused LM head takes its CUDA path: the compact gather of the valid
+  positions and the Triton folds (:func:`_trl_triton_head`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def cuda_emulation(
         # The resolved multiprocessor count (a table default when num_sms is None).
         sms = CudaSdpaTarget(compute_capability=tuple(compute_capability), num_sms=num_sms).num_sms
         stack.enter_context(cuda_kernels(compute_capability=compute_capability, num_sms=sms, mark=mark))
+        stack.enter_context(_trl_triton_head())
         if autocast_dtype is not None:
             from llmem_plugin.emulation.autocast import cuda_autocast_policy
 
@@ -122,6 +125,80 @@ def _real_run_masking() -> Iterator[None]:
     finally:
         masking_utils.is_tracing = original
         masking_utils.find_packed_sequence_indices = original_packed
+
+
+class _TritonLaunch:
+    """``kernel[grid](*args)`` for a Triton kernel of TRL's fused head, run as TRL's torch fold of the same
+    arguments (the fold writes the kernel's outputs in place) with its temporaries untracked: the Triton
+    kernel allocates nothing."""
+
+    def __init__(self, fold: Callable) -> None:
+        self.fold = fold
+
+    def __getitem__(self, grid: object) -> Callable:
+        from llmem_plugin._pause import untracked
+
+        def launch(*args, **kwargs) -> None:
+            with untracked():
+                self.fold(*args, **kwargs)
+        return launch
+
+
+@contextlib.contextmanager
+def _trl_triton_head() -> Iterator[None]:
+    """Run TRL's fused LM head (trl 1.16, trl/kernels/chunked_logprob.py) on its CUDA path in a real CPU run.
+
+    ``_fused_forward`` (trl/trainer/utils.py) scores only the valid positions when ``_use_triton(device)``
+    (CUDA or XPU with Triton), and every position otherwise; the folds are then Triton kernels that write
+    into buffers allocated before them, where the CPU path runs torch ops with ``[tokens, chunk]`` fp32
+    temporaries; and ``_addmm_fp32`` accumulates 16-bit tiles with ``torch.addmm(out_dtype=float32,
+    out=acc)`` on CUDA (no allocation) where the CPU path upcasts both operands. Everything TRL allocates
+    itself (statistics, tile buffer, casts, gathers, scatters, gradient accumulators) runs unchanged.
+    Nothing is patched unless TRL's kernels are already imported.
+    """
+    import sys
+
+    kernels = sys.modules.get("trl.kernels.chunked_logprob")
+    if kernels is None or not hasattr(kernels, "_forward_tile"):
+        yield
+        return
+    from llmem_plugin._pause import untracked
+
+    original_addmm = kernels._addmm_fp32
+
+    def addmm_fp32(acc, a, b):
+        if a.dtype in (torch.float16, torch.bfloat16):
+            with untracked():
+                acc.addmm_(a.float(), b.float())
+        else:
+            original_addmm(acc, a, b)
+
+    def use_triton(device) -> bool:
+        return True
+
+    saved = []
+    patches = [(kernels, "_use_triton", use_triton), (kernels, "_addmm_fp32", addmm_fp32),
+               (kernels, "_forward_kernel", _TritonLaunch(kernels._forward_tile)),
+               (kernels, "_backward_kernel", _TritonLaunch(kernels._backward_tile))]
+    if not hasattr(kernels, "triton"):  # the backward's launch grid reads triton.cdiv
+        import types
+
+        patches.append((kernels, "triton", types.SimpleNamespace(cdiv=lambda a, b: -(-a // b))))
+    utils = sys.modules.get("trl.trainer.utils")
+    if utils is not None and hasattr(utils, "_use_triton"):
+        patches.append((utils, "_use_triton", use_triton))
+    missing = object()
+    for owner, name, value in patches:
+        saved.append((owner, name, getattr(owner, name, missing)))
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 @contextlib.contextmanager
