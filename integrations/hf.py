@@ -114,7 +114,7 @@ def job_of(args: Any) -> Job:
 
 
 def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None,
-              images: int | None = None, packed: tuple[int, str] | None = None) -> Workload:
+              images: int | None = None, packed: tuple[int, str] | None = None, reference: bool = False) -> Workload:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _OPTIM:
         raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
@@ -129,7 +129,7 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
 
     # TRL's trainers score the tokens with their fused LM head (llmem_plugin.trl_head), not the model's loss.
     loss = "trl-fused" if has_fused_head(live.module) else "hf"
-    return Workload(loss=loss, seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
+    return Workload(loss=loss, reference_model=reference, seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
@@ -187,29 +187,56 @@ def _real_process_group_set_aside():
     return real_process_groups_set_aside()
 
 
-# TRL trainers whose training step the estimate runs: SFTTrainer's compute_loss is the fused head's
-# negative log-likelihood over the batch (llmem_plugin.trl_head, trl 1.16 sft_trainer.py).
-_TRL_MODELLED = ("SFTTrainer",)
+# TRL trainers whose training step the estimate runs (trl 1.16): SFTTrainer's compute_loss is the fused
+# head's negative log-likelihood over the batch; DPOTrainer's _compute_loss scores [chosen; rejected] rows
+# through the fused head and then the reference's (llmem_plugin.trl_head, llmem_plugin.reference).
+_TRL_MODELLED = ("SFTTrainer", "DPOTrainer")
 
 
-def _check_trainer(trainer: Any) -> None:
-    """Refuse a TRL trainer whose step is not the one estimated.
+def _architecture(config: Any) -> dict[str, Any]:
+    """A config without what does not shape the model: token ids (DPOTrainer sets the policy's pad token
+    from the tokenizer, not the reference's), the checkpoint path, the library version and ``use_cache``
+    (the Trainer turns it off on the policy; training forwards pass ``use_cache=False`` to both)."""
+    return {k: v for k, v in config.to_dict().items()
+            if not k.endswith(("token_id", "token_ids")) and k not in ("_name_or_path", "transformers_version", "use_cache")}
 
-    DPO adds a reference forward and a preference loss over concatenated chosen and rejected rows; GRPO,
-    RLOO and online trainers generate completions (a KV cache) before each step; KTO, reward and
-    distillation trainers run other losses and models. Estimating them as SFT would be a different job.
+
+def _trl_step(trainer: Any) -> str | None:
+    """``"sft"`` or ``"dpo"`` for the TRL trainer running the job, None for a plain Trainer.
 
     Raises:
-        UnsupportedError: A TRL trainer other than SFTTrainer.
+        UnsupportedError: A TRL trainer or DPO setting whose step is not the one estimated: GRPO, RLOO and
+            online trainers generate completions (a KV cache) before each step; KTO, reward and
+            distillation trainers run other losses and models; DPO's precomputed reference log-probs, WPO
+            weighting (one more per-token output) and a reference model other than the policy's
+            architecture change what each step holds.
     """
     if trainer is None:
-        return
+        return None
     trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"]
-    if trl_classes and not any(c.__name__ in _TRL_MODELLED for c in trl_classes):
-        name = trl_classes[0].__name__
-        raise UnsupportedError(f"TRL's {name} is not modelled (its step is not SFT's: a reference model, a "
-                               "preference or RL loss, or generation), so the job is not checked. HINT: for DPO, `llmem estimate "
-                               "--reference-model` bounds the step with full logits")
+    if not trl_classes:
+        return None
+    if not any(c.__name__ in _TRL_MODELLED for c in trl_classes):
+        raise UnsupportedError(f"TRL's {trl_classes[0].__name__} is not modelled (its step is not SFT's or DPO's: "
+                               "a preference or RL loss, or generation), so the job is not checked. HINT: run it "
+                               "without LLMemCallback")
+    if not any(c.__name__ == "DPOTrainer" for c in trl_classes):
+        return "sft"
+    args = trainer.args
+    for key, why in (("precompute_ref_log_probs", "the reference's log-probs are computed before training"),
+                     ("use_weighting", "WPO weighting adds a per-token output to the fused head")):
+        if getattr(args, key, False):
+            raise UnsupportedError(f"DPOConfig {key}=True is not modelled ({why}). HINT: set {key}=False to have "
+                                   "the job checked")
+    ref, policy = getattr(trainer, "ref_model", None), trainer.model
+    if ref is not None:
+        policy = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        same = type(ref) is type(policy) and _architecture(ref.config) == _architecture(policy.config)
+        if not same or any(p.dtype != policy.dtype for p in ref.parameters() if p.is_floating_point()):
+            raise UnsupportedError(f"the DPO reference model ({type(ref).__name__}) is not a copy of the policy in its "
+                                   "dtype, which is what the estimate runs. HINT: pass ref_model=None (TRL then loads "
+                                   "that copy, or disables a LoRA policy's adapters)")
+    return "dpo"
 
 
 def _find_trainer() -> Any:
@@ -318,10 +345,11 @@ class LLMemCallback(TrainerCallback):
         batch = dims[0] if dims else int(self._args.per_device_train_batch_size)
         seq_len = self.seq_len or dims[1]
         try:
-            _check_trainer(self._trainer)
+            step = _trl_step(self._trainer)
             job = job_of(self._args)
             wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in),
-                           _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in))
+                           _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in),
+                           reference=step == "dpo")
             source, wl = _unpartitioned(live, wl)
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,
@@ -366,6 +394,9 @@ class LLMemCallback(TrainerCallback):
         cc = get_gpu(self.check.prediction.gpu).compute_capability
         self._meter = PeakMeter(autocast_dtype=precision.autocast_dtype, compute_capability=cc)
         live_tensors = list(live.module.parameters()) + list(live.module.buffers())
+        ref = getattr(self._trainer, "ref_model", None)  # DPO's separate reference, on the device for the run
+        if isinstance(ref, torch.nn.Module):
+            live_tensors += list(ref.parameters()) + list(ref.buffers())
         live_tensors += [t for t in list(kwargs_in.values()) + list(args_in) if isinstance(t, torch.Tensor)]
         self._meter.start(live_tensors, optimizer=self._optimizer)
 

@@ -182,7 +182,7 @@ def forward_with_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.T
     elif workload.loss is LossImpl.CCE:
         head = _cce_head(causal_lm)
     elif workload.loss is LossImpl.TRL_FUSED:
-        head = _trl_head(causal_lm)
+        head = _trl_head(causal_lm, dpo=workload.reference_model)
     else:
         _check_arch(arch, LIGER_ARCHS, workload.loss)
         head = _liger_head
@@ -425,15 +425,28 @@ def _cce_head(causal_lm: PreTrainedModel):
 # ----------------------------------------------------------------------------- TRL's fused head
 
 
-def _trl_head(causal_lm: PreTrainedModel):
-    """TRL 1.16 ``_fused_forward`` after the backbone, with SFTTrainer's loss (:mod:`llmem_plugin.trl_head`);
-    TRL itself refuses a LoRA on ``lm_head``."""
+def _trl_head(causal_lm: PreTrainedModel, *, dpo: bool = False):
+    """TRL 1.16 ``_fused_forward`` after the backbone, with SFTTrainer's loss, or DPOTrainer's when the
+    step runs a reference model (:mod:`llmem_plugin.trl_head`); TRL itself refuses a LoRA on ``lm_head``."""
     softcap = _projection_only(causal_lm, "trl-fused")
 
     def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from llmem_plugin.trl_head import fused_sft_loss
+        from llmem_plugin.trl_head import fused_dpo_loss, fused_sft_loss
 
-        return fused_sft_loss(hidden, _head_weight(self, "trl-fused"), labels, softcap=softcap)
+        loss = fused_dpo_loss if dpo else fused_sft_loss
+        return loss(hidden, _head_weight(self, "trl-fused"), labels, softcap=softcap)
+
+    return head
+
+
+def trl_reference_head(causal_lm: PreTrainedModel, outputs: tuple[str, ...]):
+    """The reference's fused head for DPO: per-row log-probability sums (:func:`llmem_plugin.trl_head.fused_sequence_logps`)."""
+    softcap = _projection_only(causal_lm, "trl-fused")
+
+    def head(self: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from llmem_plugin.trl_head import fused_sequence_logps
+
+        return fused_sequence_logps(hidden, _head_weight(self, "trl-fused"), labels, softcap=softcap, outputs=outputs)
 
     return head
 

@@ -24,10 +24,11 @@ The log-probabilities are reduced from the reference's full logits with TRL's
 ``selective_log_softmax`` (trl/trainer/utils.py, trl 1.16, the path without
 Triton): fp32/fp64 logits take a ``gather`` plus a ``logsumexp`` per sequence;
 half-precision logits a ``log_softmax`` and ``gather`` per sequence ("loop to
-reduce peak mem consumption"); then a sum over tokens. trl 1.16's DPO calls a
-fused, tiled LM head instead (``add_fused_lm_head``, 32768-token tiles) that
-never holds all logits; full logits are the upper bound, kept here so that the
-estimate errs on the side of more memory.
+reduce peak mem consumption"); then a sum over tokens: the path of TRL before
+1.x, and an upper bound. trl 1.16's DPO calls its fused, tiled LM head instead
+(``add_fused_lm_head``), which never holds all logits: with ``--loss trl-fused``
+the reference runs that head (:func:`llmem_plugin.trl_head.fused_sequence_logps`)
+and the policy DPOTrainer's loss (:func:`llmem_plugin.trl_head.fused_dpo_loss`).
 
 ``micro_batch_size`` counts sequences per forward: DPO concatenates each
 prompt's chosen and rejected completions into one batch, so ``b`` pairs are
@@ -125,7 +126,10 @@ def build_reference(
         A callable taking a micro-batch's input ids and returning the
         per-sequence log-probability sums ``(batch,)`` (the only thing kept).
     """
+    from llmem_plugin.workload import LossImpl
+
     autocast_dtype = workload.precision.autocast_dtype
+    fused = workload.loss is LossImpl.TRL_FUSED
     if _is_peft(model):
         ref, weights = model, []
     else:
@@ -139,6 +143,16 @@ def build_reference(
             tracker.register(weights, MemoryCategory.PARAMETER)
             registered = True
         adapters_off = ref.disable_adapter() if ref is model else contextlib.nullcontext()
+        if fused:
+            # trl 1.16: the reference scores the same labels through its fused head (no logits); the policy
+            # with its adapters disabled keeps the policy's outputs, a separate copy has the default ones.
+            from llmem_plugin.loss import _causal_lm, _forward_replaced, trl_reference_head
+            from llmem_plugin.trl_head import DPO_OUTPUTS
+
+            causal_lm = _causal_lm(ref)
+            head = trl_reference_head(causal_lm, DPO_OUTPUTS if ref is model else ())
+            with torch.no_grad(), adapters_off, autocast_region(autocast_dtype), _forward_replaced(causal_lm, head):
+                return ref(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         # dpo_trainer: the policy's training flag is not changed for the
         # adapter-disabled reference, so LoRA dropout modules stay as they are.
         with torch.no_grad(), adapters_off, autocast_region(autocast_dtype):

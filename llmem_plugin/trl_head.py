@@ -51,22 +51,33 @@ from torch._subclasses.fake_tensor import is_fake
 
 from llmem_plugin._pause import untracked
 
-__all__ = ["IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "fused_sft_loss", "has_fused_head",
-           "drop_fused_forwards"]
+__all__ = ["DPO_OUTPUTS", "IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "drop_fused_forwards",
+           "fused_dpo_loss", "fused_sequence_logps", "fused_sft_loss", "has_fused_head"]
 
 IGNORE_INDEX = -100
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 # SFTTrainer: add_fused_lm_head(outputs=("log_probs", "entropy", "is_top1")) (sft_trainer.py)
 SFT_OUTPUTS = ("entropy", "is_top1")
+# DPOTrainer: outputs=("log_probs", "entropy", "mean_logits", "is_top1") (dpo_trainer.py, without use_weighting)
+DPO_OUTPUTS = ("entropy", "mean_logits", "is_top1")
+DPO_BETA = 0.1  # DPOConfig.beta default (trl/trainer/dpo_config.py)
 
 
 def _is_fused_forward(fn: object) -> bool:
     """``fn`` is the ``_fused_forward`` that ``add_fused_lm_head`` binds to a model instance
-    (trl/trainer/utils.py; ``functools.wraps`` gives it the class forward's name, not its code's)."""
-    code = getattr(getattr(fn, "__func__", None), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward" and \
-        code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py")
+    (trl/trainer/utils.py; ``functools.wraps`` gives it the class forward's name, not its code's), or a wrapper
+    of it: accelerate's mixed precision rebinds ``forward`` to an autocast wrapper (``__wrapped__`` chain)."""
+    func = getattr(fn, "__func__", None)
+    for _ in range(8):  # the wrappers' __wrapped__ chain ends at the class forward
+        code = getattr(func, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward" and \
+                code.co_filename.replace("\\", "/").endswith("trl/trainer/utils.py"):
+            return True
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            return False
+    return False
 
 
 def has_fused_head(module: torch.nn.Module) -> bool:
@@ -197,7 +208,7 @@ class _ChunkedLogProb(torch.autograd.Function):
         x_sum_exp = hidden.new_zeros((n,), dtype=torch.float32)
         # Locals held, as in TRL, until the Function returns (the allocations are what is modelled).
         sq_sum_exp = hidden.new_zeros((n,), dtype=torch.float32)  # noqa: F841
-        z_sum = hidden.new_zeros((n,), dtype=torch.float32)  # noqa: F841
+        z_sum = hidden.new_zeros((n,), dtype=torch.float32)
         max_before_target = hidden.new_full((n,), float("-inf"), dtype=torch.float32)
         target_logit = hidden.new_zeros((n,), dtype=torch.float32)
         mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)  # noqa: F841
@@ -210,25 +221,27 @@ class _ChunkedLogProb(torch.autograd.Function):
         log_z = running_max + torch.log(sum_exp)
         logprobs = target_logit - log_z
         entropy = log_z - x_sum_exp / sum_exp if "entropy" in outputs else None
+        mean_logits = z_sum / vocab if "mean_logits" in outputs else None
         is_top1 = (target_logit >= running_max) & (target_logit > max_before_target) if "is_top1" in outputs else None
         if not is_fake(hidden):
             with untracked():
-                _, ref_log_z, ref_logp, ref_entropy, ref_top1 = _reference(hidden, weight, targets, softcap)
+                z, ref_log_z, ref_logp, ref_entropy, ref_top1 = _reference(hidden, weight, targets, softcap)
                 log_z.copy_(ref_log_z)
                 logprobs.copy_(ref_logp)
                 if entropy is not None:
                     entropy.copy_(ref_entropy)
+                if mean_logits is not None:
+                    mean_logits.copy_(z.mean(-1))
                 if is_top1 is not None:
                     is_top1.copy_(ref_top1)
-                del ref_log_z, ref_logp, ref_entropy, ref_top1
+                del z, ref_log_z, ref_logp, ref_entropy, ref_top1
         ctx.save_for_backward(hidden, weight, targets, log_z, log_z if entropy is None else entropy)
         ctx.softcap, ctx.cd = softcap, cd
-        if is_top1 is not None:
-            ctx.mark_non_differentiable(is_top1)
-        return logprobs, entropy, is_top1
+        ctx.mark_non_differentiable(*(t for t in (mean_logits, is_top1) if t is not None))
+        return logprobs, entropy, mean_logits, is_top1
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy, _):
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, targets, log_z, entropy = ctx.saved_tensors
         cd = ctx.cd
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -278,6 +291,30 @@ def _valid_count(mask: torch.Tensor) -> int:
     return mask.numel() - starts
 
 
+def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None,
+                   outputs: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``_fused_forward`` after the backbone: the per-token outputs, scattered back to ``[batch, seq - 1]``
+    (``log_probs`` and those in ``outputs``), and the label mask. Its own ``loss`` (``-log_probs.sum()`` over
+    the valid count) is computed and dropped, as the trainers read the outputs."""
+    hidden_states = hidden[:, :-1]
+    labels = labels[:, 1:]
+    mask = labels != IGNORE_INDEX
+    n = _valid_count(mask)
+    x = _MaskGather.apply(hidden_states, mask, n)
+    targets = _gather(labels, mask, n)
+    stats = _ChunkedLogProb.apply(x, weight, targets, softcap, outputs)
+    del x, targets
+    names = ("log_probs", "entropy", "mean_logits", "is_top1")
+    per_token = {}
+    for name, t in zip(names, stats):
+        if t is not None:
+            per_token[name] = _scatter(t, mask, n)
+    del stats, t
+    count = mask.sum()
+    model_loss = -per_token["log_probs"].sum() / count.clamp(min=1)  # noqa: F841 - returned beside the outputs
+    return per_token, mask
+
+
 def fused_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                    softcap: float | None = None) -> torch.Tensor:
     """SFTTrainer's loss through TRL's fused head on CUDA (the compact path).
@@ -291,23 +328,40 @@ def fused_sft_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     Returns:
         ``-sum(log p(target)) / valid tokens``, a scalar fp32 tensor.
     """
-    hidden_states = hidden[:, :-1]
-    labels = labels[:, 1:]
-    mask = labels != IGNORE_INDEX
-    n = _valid_count(mask)
-    x = _MaskGather.apply(hidden_states, mask, n)
-    targets = _gather(labels, mask, n)
-    logprobs, entropy, is_top1 = _ChunkedLogProb.apply(x, weight, targets, softcap, SFT_OUTPUTS)
-    del x, targets
-    log_probs = _scatter(logprobs, mask, n)
-    del logprobs
-    entropy = _scatter(entropy, mask, n)
-    is_top1 = _scatter(is_top1, mask, n)
-    count = mask.sum()
-    model_loss = -log_probs.sum() / count.clamp(min=1)  # _fused_forward's own loss, returned beside the outputs
-    per_token_loss = -log_probs  # SFTTrainer.compute_loss
-    loss = per_token_loss.sum() / count.clamp(min=1)
-    del per_token_loss, model_loss, entropy, is_top1, log_probs
+    per_token, mask = _fused_forward(hidden, weight, labels, softcap, SFT_OUTPUTS)
+    per_token_loss = -per_token["log_probs"]  # SFTTrainer.compute_loss
+    loss = per_token_loss.sum() / mask.sum().clamp(min=1)
+    del per_token_loss, per_token
     return loss
 
 
+def fused_dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                   softcap: float | None = None) -> torch.Tensor:
+    """DPOTrainer's policy step through TRL's fused head (trl 1.16 dpo_trainer.py ``_compute_loss``).
+
+    The batch is ``[chosen; rejected]`` (2 x pairs rows); the head returns ``DPO_OUTPUTS``; each row's
+    log-probabilities are summed, and the sigmoid loss ``-logsigmoid(beta * (chosen - rejected))`` is
+    averaged over the pairs. The reference's sums (``llmem_plugin.reference``) enter that difference in
+    TRL; here the reference runs after this forward, so its two ``[pairs]`` differences (512 bytes each)
+    are not in this loss.
+
+    Returns:
+        The DPO loss, a scalar fp32 tensor.
+    """
+    per_token, mask = _fused_forward(hidden, weight, labels, softcap, DPO_OUTPUTS)
+    logps = per_token["log_probs"][:, -mask.shape[1]:].sum(dim=1)
+    chosen, rejected = logps.chunk(2, dim=0)
+    delta = chosen - rejected
+    per_sequence_loss = -torch.nn.functional.logsigmoid(DPO_BETA * delta)
+    loss = per_sequence_loss.mean()
+    del per_token, logps, chosen, rejected, delta, per_sequence_loss
+    return loss
+
+
+def fused_sequence_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         softcap: float | None = None, outputs: tuple[str, ...] = ()) -> torch.Tensor:
+    """The reference's per-row log-probability sums (DPO, under ``no_grad``): the fused head with
+    ``outputs`` (the policy's own when the reference is the policy with its adapters disabled; none for a
+    separate reference model, which ``add_fused_lm_head(ref_model)`` patches with its default)."""
+    per_token, mask = _fused_forward(hidden, weight, labels, softcap, outputs)
+    return per_token["log_probs"][:, -mask.shape[1]:].sum(dim=1)

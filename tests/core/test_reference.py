@@ -61,9 +61,10 @@ def test_lora_reference_is_the_policy_with_adapters_disabled_and_adds_no_weights
     assert with_ref.breakdown[MemoryCategory.PARAMETER] == plain.breakdown[MemoryCategory.PARAMETER]
 
 
+@pytest.mark.parametrize("loss", ["hf", "trl-fused"])
 @pytest.mark.parametrize("lora", [None, LoraSpec(rank=4)], ids=["full", "lora"])
-def test_fake_trace_equals_real_cpu_run(lora):
-    wl = Workload(seq_len=32, micro_batch_size=2, lora=lora, reference_model=True)
+def test_fake_trace_equals_real_cpu_run(lora, loss):
+    wl = Workload(seq_len=32, micro_batch_size=2, lora=lora, reference_model=True, loss=loss)
     fake, real = _trace(wl, real=False), _trace(wl, real=True)
     assert fake.peak_bytes == real.peak_bytes
     assert fake.breakdown == real.breakdown
@@ -132,3 +133,19 @@ def test_ddp_reference_adds_the_same_weights_as_on_one_gpu():
              for w in (wl, Workload(**{**wl.__dict__, "reference_model": True}))]
     added = ranks[1].breakdown["parameters"] - ranks[0].breakdown["parameters"]
     assert added == _weight_bytes(wl.precision.param_dtype)
+
+
+@pytest.mark.parametrize("precision,tile_bytes", [("fp32", 4), ("bf16", 2)])
+def test_trl_fused_dpo_scores_policy_and_reference_through_tiles_never_the_logits(precision, tile_bytes):
+    """trl 1.16 DPOTrainer (trl/kernels/chunked_logprob.py): the policy's fused forward, the reference's
+    no_grad fused forward and the policy's backward each allocate one [min(N, 4096), 32768] tile buffer in
+    the compute dtype, N the scored labels (b x (s - 1) here), and nothing holds [b, s, V] logits."""
+    b, s = 2, 48  # the logits (b x s x V) then outsize every weight (V x H, H = 64)
+    wl = Workload(seq_len=s, micro_batch_size=b, precision=precision, lora=LoraSpec(rank=4), loss="trl-fused")
+    tile = round_allocation(min(b * (s - 1), 4096) * 32768 * tile_bytes)
+    logits = round_allocation(b * s * _CFG.vocab_size * 4)
+    for reference, tiles_per_step in ((False, 2), (True, 3)):
+        trace = _trace(Workload(**{**wl.__dict__, "reference_model": reference}), real=False)
+        sizes = [n for sign, _, n in trace.events if sign > 0]
+        assert sizes.count(tile) == tiles_per_step * 2, reference  # the step is traced twice
+        assert max(n for n in sizes if n != tile) < logits
