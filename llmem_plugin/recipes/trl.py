@@ -1,4 +1,4 @@
-"""TRL SFT configs (trl 1.16.0): ``trl sft --config FILE``, or an ``SFTConfig``/``TrainingArguments`` saved as JSON.
+"""TRL SFT and DPO configs (trl 1.16.0): ``trl sft|dpo --config FILE``, or an ``SFTConfig``/``DPOConfig`` saved as JSON.
 
 The YAML is flat: ``TrlParser((ScriptArguments, SFTConfig, ModelConfig,
 DatasetMixtureConfig))`` reads every key, and keys no dataclass takes go to
@@ -21,6 +21,15 @@ read from it:
   one row of the micro-batch's documents with ``cu_seq_lens`` for flash
   attention's varlen kernel; ``wrapped`` cuts full rows with no boundaries;
 - ``max_length`` (1024) bounds every row.
+
+A DPO config is told from a key only ``DPOConfig`` has (``beta``,
+``precompute_ref_log_probs``, ...; trl_keys.json ``dpo_defaults``) or a DPO
+``loss_type``. DPOTrainer (trainer/dpo_trainer.py) concatenates each pair's
+chosen and rejected rows (``--batch-size`` is twice ``per_device_train_batch_size``),
+scores them with the fused head, and scores them again with the reference under
+no_grad: with ``use_peft`` the policy with its adapters disabled, otherwise a
+copy loaded in the policy's dtype (``--reference-model``, :mod:`llmem_plugin.reference`).
+``disable_dropout`` (default true) zeroes every dropout, LoRA's included.
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ _REFUSED = {
     "torch_empty_cache_steps": "emptying the cache between steps is not modelled",
     "neftune_noise_alpha": "NEFTune's noisy embeddings are not modelled",
 }
+# DPOTrainer's loss types (trl/trainer/dpo_trainer.py _compute_loss)
+_DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 # peft's default targets per model_type (peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
 _PEFT_TARGETS = {"llama": "q_proj,v_proj", "mistral": "q_proj,v_proj", "qwen2": "q_proj,v_proj",
                  "qwen3": "q_proj,v_proj", "gemma": "q_proj,v_proj", "gemma2": "q_proj,v_proj",
@@ -72,34 +84,45 @@ _ACCELERATE = {"zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "f
                "single_gpu": None}
 
 
-def _keys() -> dict[str, Any]:
-    """Every key of the four dataclasses, with its default (trl_keys.json, checked against the wheel)."""
-    return json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["defaults"]
+def _keys(table: str = "defaults") -> dict[str, Any]:
+    """Every key of the four dataclasses, with its default, or DPOConfig's own (trl_keys.json, checked against
+    the wheel)."""
+    return json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())[table]
+
+
+def _is_dpo(raw: dict[str, Any]) -> bool:
+    losses = raw.get("loss_type")
+    losses = losses if isinstance(losses, list) else [losses]
+    return bool(_keys("dpo_defaults").keys() & raw.keys()) or any(t in _DPO_LOSSES for t in losses)
 
 
 def read(raw: dict[str, Any], path: str) -> Recipe:
-    """Map a TRL SFT config to ``llmem estimate`` options.
+    """Map a TRL SFT or DPO config to ``llmem estimate`` options.
 
     Raises:
         ConfigError: A value TRL rejects (padding_free with a max_length, 4- and 8-bit together).
         UnsupportedError: A key whose memory is not modelled (see ``_REFUSED``).
     """
-    r = Reader(Recipe("trl", path, f"trl {VERSION} (SFTTrainer)"), raw)
+    dpo = _is_dpo(raw)
+    trainer = "DPOTrainer" if dpo else "SFTTrainer"
+    r = Reader(Recipe("trl", path, f"trl {VERSION} ({trainer})"), raw)
     r.refuse_set(_REFUSED)
-    if r.get("loss_type", "nll") not in ("nll", "chunked_nll", "dft"):
+    if dpo:
+        _dpo(r)
+    elif r.get("loss_type", "nll") not in ("nll", "chunked_nll", "dft"):
         r.refuse("loss_type", r.get("loss_type"), "only nll (and its dft reweighting) is modelled", "use nll")
     model = r.get("model_name_or_path")
     if isinstance(model, str):
         r.set("model_name_or_path", model, "--model", model)
     else:  # an SFTConfig/TrainingArguments JSON holds no ModelConfig
         r.require("--model", "the file names no model_name_or_path (an SFTConfig holds none). HINT: pass --model")
-    r.set("(trainer)", "SFTTrainer (transformers Trainer)", "--runner", "hf-trainer")
+    r.set("(trainer)", f"{trainer} (transformers Trainer)", "--runner", "hf-trainer")
     r.set("(loss)", "TRL's fused LM head (add_fused_lm_head)", "--loss", "trl-fused")
     init = _mapping(r, "model_init_kwargs")
     quantized = _quantization(r)
     weights = _precision(r, init, quantized)
-    _batch(r)
-    _peft(r, model, weights, quantized)
+    _batch(r, dpo)
+    _peft(r, model, weights, quantized, no_dropout=dpo and r.get("disable_dropout", True))
     _checkpointing(r)
     _hf.optimizer(r, "optim", "adamw_torch_fused")  # transformers 5.24 default (torch >= 2.8)
     _hf.attention(r, "attn_implementation", init.get("attn_implementation", r.get("attn_implementation")))
@@ -116,7 +139,9 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
     for key in init:
         if key not in ("dtype", "torch_dtype", "attn_implementation"):
             r.skip(f"model_init_kwargs.{key}", init[key], "not read by the estimate")
-    return r.finish(_IGNORED, schema=f"trl {VERSION} (trl sft passes it to accelerate launch)", schema_keys=_keys())
+    schema = {**_keys(), **_keys("dpo_defaults")} if dpo else _keys()
+    return r.finish(_IGNORED, schema=f"trl {VERSION} (trl {'dpo' if dpo else 'sft'} passes it to accelerate launch)",
+                    schema_keys=schema)
 
 
 def _precision(r: Reader, init: dict, quantized: bool) -> str:
@@ -161,13 +186,26 @@ def _quantization(r: Reader) -> bool:
     return True
 
 
-def _batch(r: Reader) -> None:
-    max_length = r.raw.get("max_length", 1024)  # sft_config.py; null (no truncation) is a value here
+def _batch(r: Reader, dpo: bool = False) -> None:
+    max_length = r.raw.get("max_length", 1024)  # sft_config.py, dpo_config.py; null (no truncation) is a value
     r.get("max_length", kind=int)
     batch = r.get("per_device_train_batch_size", 8, kind=int)  # TrainingArguments
-    r.set("per_device_train_batch_size", batch, "--batch-size", batch)
+    # DPO: DataCollatorForPreference stacks the chosen rows, then the rejected ones (dpo_trainer.py)
+    r.set("per_device_train_batch_size", f"{batch} pairs" if dpo else batch, "--batch-size", 2 * batch if dpo else batch)
     accum = r.get("gradient_accumulation_steps", 1, kind=int)
     r.set("gradient_accumulation_steps", accum, "--grad-accum", accum)
+    if dpo:
+        if r.get("padding_free", False):
+            r.set("padding_free", True, None)
+            r.note("padding_free: DPOTrainer 1.16 turns it off (dpo_trainer.py) and pads each batch")
+        if max_length is None:
+            r.require("--seq-len", "max_length is null: rows are as long as the dataset's prompt and completion. "
+                      "HINT: pass --seq-len, or set max_length")
+        else:
+            r.set("max_length", max_length, "--seq-len", max_length)
+            r.note("each batch is padded to its longest prompt + completion, at most max_length: every batch is "
+                   "taken at max_length, every completion token scored (an upper bound)")
+        return
     packing = r.get("packing", False, kind=bool)
     strategy = r.get("packing_strategy", "bfd", kind=str)
     strategy = {"bfd-requeue": "bfd_split"}.get(strategy, strategy)  # sft_config.py: the old name
@@ -197,7 +235,26 @@ def _batch(r: Reader) -> None:
                "(an upper bound; --seq-lens replays a dataset's lengths)")
 
 
-def _peft(r: Reader, model: str, weights: str, quantized: bool) -> None:
+def _dpo(r: Reader) -> None:
+    """DPOConfig's own keys: the reference forward, and what the step does not model."""
+    for key, why in (("precompute_ref_log_probs", "the reference's log-probs are computed in a pass before training"),
+                     ("use_weighting", "WPO weighting adds a per-token output to the fused head")):
+        if r.get(key, False, kind=bool):
+            r.refuse(key, True, why, f"set {key}: false")
+    r.ignore("precompute_ref_batch_size", "precompute_ref_log_probs", "use_weighting")
+    r.set("(reference)", "the policy with its adapters disabled (use_peft), else a frozen copy in its dtype",
+          "--reference-model", True)
+    losses = r.get("loss_type", ["sigmoid"])
+    for t in losses if isinstance(losses, list) else [losses]:
+        if t not in _DPO_LOSSES:
+            r.bad("loss_type", t, "not a DPOTrainer loss", f"use one of {', '.join(_DPO_LOSSES)}")
+    # Each loss type is arithmetic on [pairs] tensors (dpo_trainer.py _compute_loss): 512-byte blocks.
+    r.ignore("loss_type", "loss_weights", "beta", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
+             "label_smoothing", "discopop_tau", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+             "disable_dropout")
+
+
+def _peft(r: Reader, model: str, weights: str, quantized: bool, no_dropout: bool = False) -> None:
     if not r.get("use_peft", False):
         r.ignore("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
         return
@@ -206,7 +263,10 @@ def _peft(r: Reader, model: str, weights: str, quantized: bool) -> None:
     r.set("use_peft", True, None)
     r.set("lora_r", rank, "--lora-rank", rank)
     r.set("lora_alpha", alpha, "--lora-alpha", alpha)
-    r.set("lora_dropout", dropout, "--lora-dropout", dropout if dropout else None)
+    if no_dropout:  # DPOConfig.disable_dropout: trl's disable_dropout_in_model sets every Dropout's p to 0
+        r.set("lora_dropout", f"{dropout} (disable_dropout: 0)", None)
+    else:
+        r.set("lora_dropout", dropout, "--lora-dropout", dropout if dropout else None)
     targets = r.get("lora_target_modules", kind=(str, list))
     if targets is None:
         targets = _default_targets(r, model)

@@ -23,10 +23,17 @@ def test_three_examples():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_mapping_matches_trl_parser(path):
-    t = run_probe("trl_args.py", path)
-    o = read_recipe(str(path)).options
+    dpo = "dpo" in path.stem  # `trl dpo --config` for those, `trl sft --config` for the rest
+    t = run_probe("trl_args.py", path, *(["--dpo"] if dpo else []))
+    recipe = read_recipe(str(path))
+    o = recipe.options
+    assert recipe.framework.endswith("(DPOTrainer)" if dpo else "(SFTTrainer)")
     assert o["--model"] == t["model"] and o["--loss"] == "trl-fused" and o["--runner"] == "hf-trainer"
-    assert (o["--seq-len"], o["--batch-size"], o["--grad-accum"]) == (t["max_length"], t["batch"], t["accum"])
+    # DPO: each pair's chosen and rejected rows are one batch (DataCollatorForPreference), scored again by the
+    # reference unless its log-probs were precomputed
+    rows = 2 * t["batch"] if dpo else t["batch"]
+    assert (o["--seq-len"], o["--batch-size"], o["--grad-accum"]) == (t["max_length"], rows, t["accum"])
+    assert o.get("--reference-model", False) == (dpo and not t["precompute_ref_log_probs"])
     assert o["--optimizer"] == HF_OPTIMIZERS[t["optim"]]
     assert o.get("--grad-checkpointing", False) == bool(t["gc"])
     assert o.get("--checkpoint-reentrant", False) == bool((t["gc_kwargs"] or {}).get("use_reentrant"))
@@ -37,7 +44,8 @@ def test_mapping_matches_trl_parser(path):
     assert ("--packed-boundaries" in o) == bool(t["packing"] and t["packing_strategy"] in ("bfd", "bfd_split"))
     if t["use_peft"]:
         assert (o["--lora-rank"], o["--lora-alpha"]) == (t["lora_r"], t["lora_alpha"])
-        assert o.get("--lora-dropout", 0.0) == t["lora_dropout"]
+        # DPOConfig.disable_dropout sets every dropout's p to 0 (trl's disable_dropout_in_model)
+        assert o.get("--lora-dropout", 0.0) == (0.0 if t["disable_dropout"] else t["lora_dropout"])
         targets = t["lora_target_modules"]
         assert o["--lora-targets"] == (targets if isinstance(targets, str) else ",".join(targets))
     else:
@@ -49,9 +57,9 @@ def test_mapping_matches_trl_parser(path):
 
 
 def test_schema_keys_and_defaults_match_the_wheel():
-    keys = run_probe("trl_args.py", "--keys")
-    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())["defaults"]
-    assert shipped == keys
+    shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())
+    assert shipped["defaults"] == run_probe("trl_args.py", "--keys")
+    assert shipped["dpo_defaults"] == run_probe("trl_args.py", "--dpo-keys")
 
 
 def _write(tmp_path, text):
@@ -82,6 +90,9 @@ def test_peft_default_targets(tmp_path):
     ("use_peft: true\nload_in_4bit: true\n", UnsupportedError, "dtype=float32"),  # fp32 compute, bf16 adapters
     ("padding_free: true\n", ConfigError, "padding_free"),
     ("use_peft: true\nlora_target_modules: [q_proj, lm_head]\n", ConfigError, "lm_head"),
+    ("beta: 0.1\nprecompute_ref_log_probs: true\n", UnsupportedError, "precompute_ref_log_probs"),
+    ("beta: 0.1\nuse_weighting: true\n", UnsupportedError, "use_weighting"),
+    ("loss_type: [sigmoid, dpop]\n", ConfigError, "dpop"),
 ])
 def test_refusals(tmp_path, extra, exc, needle):
     with pytest.raises(exc, match=needle):
@@ -104,3 +115,12 @@ def test_a_saved_sftconfig_json(tmp_path):
     assert r.format == "trl" and "--model" in r.required
     assert (r.options["--batch-size"], r.options["--seq-len"], r.options["--precision"]) == (4, 512, "bf16-mixed")
     assert [n.key for n in r.not_modelled] == []
+
+
+def test_a_dpo_config_is_told_from_its_keys(tmp_path):
+    """A DPOConfig key (or a DPO loss type) makes the file DPOTrainer's: pairs double the rows, the reference
+    forward is on; without one it is SFT."""
+    for extra, dpo in (("beta: 0.1\n", True), ("loss_type: [sigmoid, sft]\n", True), ("", False)):
+        recipe = read_recipe(_write(tmp_path, _BASE + "per_device_train_batch_size: 3\n" + extra))
+        o = recipe.options
+        assert (o["--batch-size"], o.get("--reference-model", False)) == ((6, True) if dpo else (3, False)), extra
