@@ -236,7 +236,8 @@ def _add_step_args(p: argparse.ArgumentParser) -> None:
                    help="offload saved activations to pinned host memory: streamed (TRL/torchtune "
                         "OffloadActivations, the default when given bare) or save-on-cpu (torch.autograd.graph)")
     g.add_argument("--reference-model", action="store_true",
-                   help="also run a frozen reference model's forward each step, as DPO does")
+                   help="also run a frozen reference model's forward each step, as DPO does (with --loss "
+                        "trl-fused: TRL DPOTrainer's step; --batch-size counts chosen and rejected rows)")
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora-rank", type=_LORA_RANK, default=None, help="enable LoRA with this rank")
     g.add_argument("--lora-alpha", type=_float_arg("--lora-alpha", 0, 1e6, low_open=True, example="32"), default=None, help="LoRA alpha (default 2 x rank)")

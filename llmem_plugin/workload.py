@@ -394,7 +394,10 @@ class Workload:
         reference_model: Also run a frozen reference model's forward under
             ``no_grad`` after each policy forward, as DPO does (TRL): a
             frozen copy of the model in the parameter dtype, or with LoRA the
-            same model with its adapters disabled.
+            same model with its adapters disabled. With ``loss="trl-fused"``
+            the step is DPOTrainer 1.16's: both the policy and the reference
+            score through TRL's fused head, and the policy's loss is DPO's
+            (:func:`llmem_plugin.trl_head.fused_dpo_loss`).
         target_len: Tokens per target sequence of an encoder-decoder
             (seq2seq) model, whose ``seq_len`` is the source length; None:
             ``seq_len``. Other models have no target sequence.
@@ -571,6 +574,10 @@ class Workload:
         if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE, LossImpl.TRL_FUSED):
             raise ConfigError(f"--loss {self.loss.value} multiplies by lm_head.weight itself, which --quantize-lm-head "
                               "packs into 4 bits. HINT: use --loss chunked or hf, or drop --quantize-lm-head")
+        if self.reference_model and self.loss is LossImpl.TRL_FUSED and self.micro_batch_size % 2:
+            raise ConfigError(f"--batch-size {self.micro_batch_size} is odd, but with --reference-model --loss "
+                              "trl-fused it counts each pair's chosen and rejected rows (TRL's DPOTrainer). "
+                              "HINT: pass --batch-size 2 x pairs")
         if self.double_quant and self.quantize not in (Quantization.NF4, Quantization.FP4):
             raise ConfigError("--double-quant applies to 4-bit weights only. HINT: pass --quantize nf4 or fp4")
         if self.offload_activations is not None:

@@ -149,3 +149,11 @@ def test_trl_fused_dpo_scores_policy_and_reference_through_tiles_never_the_logit
         sizes = [n for sign, _, n in trace.events if sign > 0]
         assert sizes.count(tile) == tiles_per_step * 2, reference  # the step is traced twice
         assert max(n for n in sizes if n != tile) < logits
+
+
+def test_trl_fused_dpo_needs_whole_pairs():
+    from llmem_plugin.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--batch-size 3 is odd.*HINT: pass --batch-size 2 x pairs"):
+        Workload(micro_batch_size=3, reference_model=True, loss="trl-fused")
+    Workload(micro_batch_size=3, reference_model=True)  # full logits: any rows
