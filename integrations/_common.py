@@ -177,13 +177,9 @@ def live_model(model: nn.Module) -> LiveModel:
             lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
                             target_modules=targets or LoraSpec().target_modules)
         config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
-    # The dtype most of the floating-point weights are in, by elements: fp32 LoRA adapters (peft's
-    # autocast_adapter_dtype) can outnumber a 16-bit base model's tensors, never its elements.
-    elements: dict[torch.dtype, int] = {}
-    for p in hf.parameters():
-        if p.is_floating_point():
-            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
-    dtype = max(elements, key=elements.get) if elements else torch.float32
+    from llmem_plugin.modelbuild import majority_dtype
+
+    dtype = majority_dtype(hf)
     if lora is not None:
         # Adapters in the model's own 16-bit dtype: made without peft's fp32 autocast
         # (autocast_adapter_dtype=False), or cast there by the recipe.

@@ -114,7 +114,7 @@ def job_of(args: Any) -> Job:
 
 
 def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, target_len: int | None = None,
-              images: int | None = None, packed: tuple[int, str] | None = None, reference: bool = False) -> Workload:
+              images: int | None = None, packed: tuple[int, str] | None = None, trl: str | None = None) -> Workload:
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _OPTIM:
         raise UnsupportedError(f"optimizer '{optim}' is not modelled; modelled: {', '.join(_OPTIM)}. "
@@ -125,11 +125,8 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
     # transformers 5 renamed the kwargs to activation_checkpointing_kwargs (the old name is an alias)
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
     save_ops = checkpointing.policy_of(kwargs) if gc else None
-    from llmem_plugin.trl_head import has_fused_head
-
     # TRL's trainers score the tokens with their fused LM head (llmem_plugin.trl_head), not the model's loss.
-    loss = "trl-fused" if has_fused_head(live.module) else "hf"
-    return Workload(loss=loss, reference_model=reference, seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
+    return Workload(loss="trl-fused" if trl else "hf", reference_model=trl == "dpo", seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
                     attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="hf-trainer",
@@ -201,35 +198,47 @@ def _architecture(config: Any) -> dict[str, Any]:
             if not k.endswith(("token_id", "token_ids")) and k not in ("_name_or_path", "transformers_version", "use_cache")}
 
 
-def _trl_step(trainer: Any) -> str | None:
+def _trl_step(trainer: Any, live: _common.LiveModel) -> str | None:
     """``"sft"`` or ``"dpo"`` for the TRL trainer running the job, None for a plain Trainer.
 
     Raises:
-        UnsupportedError: A TRL trainer or DPO setting whose step is not the one estimated: GRPO, RLOO and
+        UnsupportedError: A TRL trainer or setting whose step is not the one estimated: GRPO, RLOO and
             online trainers generate completions (a KV cache) before each step; KTO, reward and
-            distillation trainers run other losses and models; DPO's precomputed reference log-probs, WPO
-            weighting (one more per-token output) and a reference model other than the policy's
-            architecture change what each step holds.
+            distillation trainers (GKD and GOLD are SFTTrainer subclasses with a teacher) run other losses
+            and models; SFT's label smoothing or custom loss runs a full-logits forward beside the fused head;
+            DPO's precomputed reference log-probs, WPO weighting, and a reference model other than the
+            policy's architecture in its dtype change what each step holds.
     """
-    if trainer is None:
-        return None
-    trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"]
+    from llmem_plugin.trl_head import DPO_REFUSED, has_fused_head
+
+    trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"] if trainer else []
     if not trl_classes:
+        if has_fused_head(live.module):
+            raise UnsupportedError("the model carries TRL's fused LM head, but the trainer is not TRL's SFTTrainer "
+                                   "or DPOTrainer, so its loss is unknown. HINT: train with one of those, or "
+                                   "without add_fused_lm_head")
         return None
-    if not any(c.__name__ in _TRL_MODELLED for c in trl_classes):
-        raise UnsupportedError(f"TRL's {trl_classes[0].__name__} is not modelled (its step is not SFT's or DPO's: "
-                               "a preference or RL loss, or generation), so the job is not checked. HINT: run it "
-                               "without LLMemCallback")
-    if not any(c.__name__ == "DPOTrainer" for c in trl_classes):
+    name = trl_classes[0].__name__  # the most derived: GKD/GOLD subclass SFTTrainer with a teacher
+    if name not in _TRL_MODELLED:
+        raise UnsupportedError(f"TRL's {name} is not modelled (its step is not SFT's or DPO's: a preference or RL "
+                               "loss, a teacher, or generation), so the job is not checked. HINT: run it without "
+                               "LLMemCallback")
+    if name == "SFTTrainer":
+        if getattr(trainer, "label_smoother", None) is not None or getattr(trainer, "compute_loss_func", None):
+            raise UnsupportedError("SFTTrainer with label_smoothing_factor or compute_loss_func is not modelled (the "
+                                   "loss runs a full-logits forward beside the fused head). HINT: drop it to have "
+                                   "the job checked")
         return "sft"
-    args = trainer.args
-    for key, why in (("precompute_ref_log_probs", "the reference's log-probs are computed before training"),
-                     ("use_weighting", "WPO weighting adds a per-token output to the fused head")):
-        if getattr(args, key, False):
+    for key, why in DPO_REFUSED.items():
+        if getattr(trainer.args, key, False):
             raise UnsupportedError(f"DPOConfig {key}=True is not modelled ({why}). HINT: set {key}=False to have "
                                    "the job checked")
     ref, policy = getattr(trainer, "ref_model", None), trainer.model
     if ref is not None:
+        if live.lora is not None:
+            raise UnsupportedError("a separate ref_model beside a LoRA policy is not modelled (the estimate disables "
+                                   "the adapters for the reference). HINT: pass ref_model=None; TRL then does the same")
+        ref = getattr(ref, "module", ref)  # DeepSpeed's engine, DDP
         policy = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         same = type(ref) is type(policy) and _architecture(ref.config) == _architecture(policy.config)
         if not same or any(p.dtype != policy.dtype for p in ref.parameters() if p.is_floating_point()):
@@ -345,11 +354,10 @@ class LLMemCallback(TrainerCallback):
         batch = dims[0] if dims else int(self._args.per_device_train_batch_size)
         seq_len = self.seq_len or dims[1]
         try:
-            step = _trl_step(self._trainer)
+            step = _trl_step(self._trainer, live)
             job = job_of(self._args)
             wl = _workload(self._args, live, batch, seq_len, _common.target_len(live, kwargs_in),
-                           _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in),
-                           reference=step == "dpo")
+                           _common.images_per_sample(live, kwargs_in), _common.packing_of(kwargs_in), trl=step)
             source, wl = _unpartitioned(live, wl)
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,

@@ -256,10 +256,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("config file", "read the job from the file its framework runs (docs/recipes.md); "
                              "options given here override the file's")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="an Axolotl, LLaMA-Factory, torchtune or TRL (SFTConfig/TrainingArguments) YAML or JSON "
-                        "file; its memory keys become the options below, the rest are listed")
-    g.add_argument("--config-format", default=None, choices=("axolotl", "llamafactory", "torchtune", "trl"),
-                   help="the file's framework (default: told from its keys)")
+                   help="an Axolotl, LLaMA-Factory, torchtune or TRL (SFTConfig/DPOConfig) YAML or JSON file; its "
+                        "memory keys become the options below, the rest are listed")
+    g.add_argument("--config-format", default=None,  # llmem_plugin.recipes.FORMATS (imported on use)
+                   choices=("axolotl", "llamafactory", "torchtune", "trl", "trl-sft", "trl-dpo"),
+                   help="the file's framework (default: told from its keys); trl-sft/trl-dpo: the trl command")
     g.add_argument("--model-config", default=None, metavar="PATH",
                    help="with --config, the config.json of the file's model, for a model the catalog lacks "
                         "(nothing is downloaded)")
@@ -829,6 +830,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     gpu_memory = parse_memory(args.gpu_memory) if args.gpu_memory else None
     methods, tps = _csv(args.methods), _csv(args.tp, _TP)
+    if args.reference_model and args.loss == "trl-fused":
+        from llmem_plugin.errors import UnsupportedError
+        from llmem_plugin.planner import DPO_NOT_SEARCHED
+
+        raise UnsupportedError(DPO_NOT_SEARCHED)
     _choose_precision(args)
     wl = Workload(seq_len=args.seq_len, precision=args.precision, optimizer=_optimizer(args), lora=_lora(args),
                   attn_implementation=args.attn, runner=args.runner, **_technique_fields(args))

@@ -528,16 +528,23 @@ def _runner_casts(model: nn.Module, workload: Workload) -> bool:
     and plain loops: peft's fp32 adapters on a 16-bit base (``autocast_adapter_dtype``, its default) stay
     fp32. Lightning's true-precision plugins cast the whole module (``module.to(dtype)`` in
     ``HalfPrecision.convert_module``), adapters included; a model in another dtype is cast in any case.
+    DeepSpeed's bf16 engine also casts every parameter; its fp32 adapters are kept here, a small over-estimate.
     """
     from llmem_plugin.workload import Runner
 
     if workload.runner is Runner.LIGHTNING:
         return True
+    return majority_dtype(model) != workload.precision.param_dtype
+
+
+def majority_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of ``model``'s floating-point parameter elements are in (fp32 when it has none): peft's
+    fp32 adapters can outnumber a 16-bit base model's tensors, never its elements."""
     elements: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
             elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
-    return not elements or max(elements, key=elements.get) != workload.precision.param_dtype
+    return max(elements, key=elements.get) if elements else torch.float32
 
 
 def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.Module:

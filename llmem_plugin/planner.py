@@ -47,12 +47,12 @@ from llmem_plugin.cost import (
     flops_of_step,
     step_time,
 )
-from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
+from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
 from llmem_plugin.gpus import GPU
 from llmem_plugin.host import HostCapacity, resolve_host_memory
 from llmem_plugin.methods import Layout, MethodEstimate, estimate_method
 from llmem_plugin.tracker import MemoryCategory
-from llmem_plugin.workload import LoraSpec, OptimizerKind, Precision, Quantization, Workload
+from llmem_plugin.workload import LoraSpec, LossImpl, OptimizerKind, Precision, Quantization, Workload
 
 __all__ = ["DEFAULT_MARGIN", "Candidate", "Plan", "Suggestion", "plan"]
 
@@ -114,6 +114,13 @@ _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-offload": ("fsdp", {"cpu_offload": True}),
     "hybrid-zero1": ("hybrid", {"zero_stage": 1}),
 }
+
+
+# TRL DPO with its fused head (--reference-model --loss trl-fused) needs whole chosen/rejected pairs per
+# micro-batch; the search profiles 1 and 2 rows and extrapolates.
+DPO_NOT_SEARCHED = ("llmem plan does not search TRL DPO's paired rows yet (its micro-batch profiles are 1 and 2 rows; "
+                    "DPO needs whole chosen/rejected pairs). HINT: llmem estimate with --method and an even "
+                    "--batch-size for each layout to compare")
 
 
 def planner_methods() -> list[str]:
@@ -939,6 +946,8 @@ def plan(
     target = _resolve_gpu(gpu, gpu_memory)
     layout = Layout(num_gpus=num_gpus, num_nodes=num_nodes)
     wl = workload or Workload()
+    if wl.reference_model and wl.loss is LossImpl.TRL_FUSED:
+        raise UnsupportedError(DPO_NOT_SEARCHED)
     if global_batch is None:
         global_batch = DEFAULT_SEQUENCES_PER_GPU * num_gpus
     if global_batch <= 0:

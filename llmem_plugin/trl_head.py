@@ -1,4 +1,4 @@
-"""TRL 1.16's fused LM head (``--loss trl-fused``), allocation for allocation.
+"""TRL 1.16's fused LM head (``--loss trl-fused``), allocation for allocation: SFTTrainer's and DPOTrainer's steps.
 
 TRL's SFT, DPO and GRPO trainers never build the ``[tokens, vocab]`` logits:
 ``add_fused_lm_head`` (trl/trainer/utils.py) replaces the causal LM's forward
@@ -51,17 +51,22 @@ from torch._subclasses.fake_tensor import is_fake
 
 from llmem_plugin._pause import untracked
 
-__all__ = ["DPO_OUTPUTS", "IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "drop_fused_forwards",
+__all__ = ["DPO_OUTPUTS", "DPO_REFUSED", "IGNORE_INDEX", "SFT_OUTPUTS", "TOKEN_CHUNK_SIZE", "VOCAB_CHUNK_SIZE", "drop_fused_forwards",
            "fused_dpo_loss", "fused_sequence_logps", "fused_sft_loss", "has_fused_head"]
 
 IGNORE_INDEX = -100
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
+# chunked_logprob.py _MM_OUT_DTYPE: torch.addmm(..., out_dtype=float32) for 16-bit tiles from torch 2.8
+_MM_OUT_DTYPE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 # SFTTrainer: add_fused_lm_head(outputs=("log_probs", "entropy", "is_top1")) (sft_trainer.py)
 SFT_OUTPUTS = ("entropy", "is_top1")
 # DPOTrainer: outputs=("log_probs", "entropy", "mean_logits", "is_top1") (dpo_trainer.py, without use_weighting)
 DPO_OUTPUTS = ("entropy", "mean_logits", "is_top1")
 DPO_BETA = 0.1  # DPOConfig.beta default (trl/trainer/dpo_config.py)
+# DPOConfig settings whose step is not the one modelled (dpo_trainer.py), key -> why
+DPO_REFUSED = {"precompute_ref_log_probs": "the reference's log-probs are computed in a pass before training",
+               "use_weighting": "WPO weighting adds a per-token output to the fused head"}
 
 
 def _is_fused_forward(fn: object) -> bool:
@@ -196,7 +201,8 @@ def _reference(hidden, weight, targets, softcap):
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """``ChunkedLogProbFunction`` (temperature 1, logit scale 1, no bias): log-probabilities, entropy, is_top1."""
+    """``ChunkedLogProbFunction`` (temperature 1, logit scale 1, no bias): log-probabilities and the requested
+    ``entropy``, ``mean_logits``, ``is_top1``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, softcap, outputs):
@@ -248,16 +254,24 @@ class _ChunkedLogProb(torch.autograd.Function):
         needs_hidden, needs_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_weight else None
-        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)  # noqa: F841
+        mm_buf = hidden.new_empty((min(n, TOKEN_CHUNK_SIZE), VOCAB_CHUNK_SIZE), dtype=cd)
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
         for t0 in range(0, n, TOKEN_CHUNK_SIZE):
             hidden_chunk = hidden[t0:t0 + TOKEN_CHUNK_SIZE].to(cd)  # noqa: F841 - held to the return, as in TRL
             for v0 in range(0, vocab, VOCAB_CHUNK_SIZE):
-                w_chunk = weight[v0:v0 + VOCAB_CHUNK_SIZE].to(cd)  # noqa: F841 - rebound per tile, as in TRL
+                w_chunk = weight[v0:v0 + VOCAB_CHUNK_SIZE].to(cd)  # rebound per tile, as in TRL
                 # mm into the tile, the Triton backward fold in place, then the fp32 accumulations:
                 # torch.addmm(acc, tile, w_chunk, out_dtype=fp32, out=acc) for 16-bit tiles (no allocation);
                 # fp32 tiles take acc.addmm_(a.float(), b.float()), where .float() is a no-op.
+                if not _MM_OUT_DTYPE and cd in (torch.float16, torch.bfloat16):
+                    # torch < 2.8 has no out_dtype: both operands are upcast for each accumulation
+                    tile = mm_buf[:hidden_chunk.shape[0], :w_chunk.shape[0]]
+                    for a, b, need in ((tile, w_chunk, needs_hidden), (tile.t(), hidden_chunk, needs_weight)):
+                        if need:
+                            a32, b32 = a.float(), b.float()
+                            del a32, b32
+                    del tile
         if not is_fake(hidden):
             with untracked():
                 h = hidden.detach().float().requires_grad_(needs_hidden)

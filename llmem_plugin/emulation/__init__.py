@@ -167,7 +167,9 @@ def _trl_triton_head() -> Iterator[None]:
     original_addmm = kernels._addmm_fp32
 
     def addmm_fp32(acc, a, b):
-        if a.dtype in (torch.float16, torch.bfloat16):
+        # CUDA's addmm(out_dtype=float32, out=acc) from torch 2.8 (TRL's _MM_OUT_DTYPE); before it TRL upcasts
+        # both operands on CUDA too, which the original runs.
+        if getattr(kernels, "_MM_OUT_DTYPE", True) and a.dtype in (torch.float16, torch.bfloat16):
             with untracked():
                 acc.addmm_(a.float(), b.float())
         else:
@@ -188,10 +190,10 @@ def _trl_triton_head() -> Iterator[None]:
     if utils is not None and hasattr(utils, "_use_triton"):
         patches.append((utils, "_use_triton", use_triton))
     missing = object()
-    for owner, name, value in patches:
-        saved.append((owner, name, getattr(owner, name, missing)))
-        setattr(owner, name, value)
     try:
+        for owner, name, value in patches:
+            saved.append((owner, name, getattr(owner, name, missing)))
+            setattr(owner, name, value)
         yield
     finally:
         for owner, name, value in reversed(saved):

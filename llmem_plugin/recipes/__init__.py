@@ -30,7 +30,7 @@ from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError
 
 __all__ = ["FORMATS", "Recipe", "read_recipe"]
 
-FORMATS = ("axolotl", "llamafactory", "torchtune", "trl")
+FORMATS = ("axolotl", "llamafactory", "torchtune", "trl", "trl-sft", "trl-dpo")
 
 
 @dataclass(frozen=True)
@@ -270,8 +270,9 @@ def read_recipe(path: str, fmt: str | None = None) -> Recipe:
         raise ConfigError(f"--config-format {fmt!r} is not one of {', '.join(FORMATS)}. HINT: pass one of them")
     from importlib import import_module
 
+    module, _, trainer = fmt.partition("-")  # trl-sft, trl-dpo: the trainer `trl sft|dpo` runs
     try:
-        return import_module(f"llmem_plugin.recipes.{fmt}").read(raw, path)
+        return import_module(f"llmem_plugin.recipes.{module}").read(raw, path, *([trainer] if trainer else []))
     except (TypeError, ValueError, AttributeError, KeyError) as e:
         if isinstance(e, LLMemError):  # ours (a ValueError), already one line with its fix
             raise

@@ -24,7 +24,9 @@ read from it:
 
 A DPO config is told from a key only ``DPOConfig`` has (``beta``,
 ``precompute_ref_log_probs``, ...; trl_keys.json ``dpo_defaults``) or a DPO
-``loss_type``. DPOTrainer (trainer/dpo_trainer.py) concatenates each pair's
+``loss_type``, or named with ``--config-format trl-dpo``; a key only another
+trainer's config has (GRPO, RLOO, KTO, reward, distillation: ``other_keys``)
+is refused. DPOTrainer (trainer/dpo_trainer.py) concatenates each pair's
 chosen and rejected rows (``--batch-size`` is twice ``per_device_train_batch_size``),
 scores them with the fused head, and scores them again with the reference under
 no_grad: with ``use_peft`` the policy with its adapters disabled, otherwise a
@@ -96,17 +98,32 @@ def _is_dpo(raw: dict[str, Any]) -> bool:
     return bool(_keys("dpo_defaults").keys() & raw.keys()) or any(t in _DPO_LOSSES for t in losses)
 
 
-def read(raw: dict[str, Any], path: str) -> Recipe:
+def read(raw: dict[str, Any], path: str, trainer: str | None = None) -> Recipe:
     """Map a TRL SFT or DPO config to ``llmem estimate`` options.
+
+    Args:
+        raw: The file's mapping.
+        path: The file.
+        trainer: ``"sft"`` or ``"dpo"`` (``--config-format trl-sft``/``trl-dpo``); None: told from the keys.
 
     Raises:
         ConfigError: A value TRL rejects (padding_free with a max_length, 4- and 8-bit together).
-        UnsupportedError: A key whose memory is not modelled (see ``_REFUSED``).
+        UnsupportedError: A key whose memory is not modelled (see ``_REFUSED``), or another trainer's key.
     """
-    dpo = _is_dpo(raw)
-    trainer = "DPOTrainer" if dpo else "SFTTrainer"
-    r = Reader(Recipe("trl", path, f"trl {VERSION} ({trainer})"), raw)
+    other = _keys("other_keys")
+    found = sorted(other.keys() & raw.keys())
+    if found:
+        from llmem_plugin.errors import UnsupportedError
+
+        raise UnsupportedError(f"--config {path!r}: {found[0]} is a {other[found[0]]} key: that TRL trainer is not "
+                               "modelled (generation, a teacher or another loss). HINT: estimate an SFT or DPO "
+                               "config")
+    dpo = trainer == "dpo" if trainer else _is_dpo(raw)
+    name = "DPOTrainer" if dpo else "SFTTrainer"
+    r = Reader(Recipe("trl", path, f"trl {VERSION} ({name})"), raw)
     r.refuse_set(_REFUSED)
+    if trainer is None and not dpo:
+        r.note("read as `trl sft` (no DPOConfig key): for a `trl dpo` file pass --config-format trl-dpo")
     if dpo:
         _dpo(r)
     elif r.get("loss_type", "nll") not in ("nll", "chunked_nll", "dft"):
@@ -116,7 +133,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
         r.set("model_name_or_path", model, "--model", model)
     else:  # an SFTConfig/TrainingArguments JSON holds no ModelConfig
         r.require("--model", "the file names no model_name_or_path (an SFTConfig holds none). HINT: pass --model")
-    r.set("(trainer)", f"{trainer} (transformers Trainer)", "--runner", "hf-trainer")
+    r.set("(trainer)", f"{name} (transformers Trainer)", "--runner", "hf-trainer")
     r.set("(loss)", "TRL's fused LM head (add_fused_lm_head)", "--loss", "trl-fused")
     init = _mapping(r, "model_init_kwargs")
     quantized = _quantization(r)
@@ -237,8 +254,9 @@ def _batch(r: Reader, dpo: bool = False) -> None:
 
 def _dpo(r: Reader) -> None:
     """DPOConfig's own keys: the reference forward, and what the step does not model."""
-    for key, why in (("precompute_ref_log_probs", "the reference's log-probs are computed in a pass before training"),
-                     ("use_weighting", "WPO weighting adds a per-token output to the fused head")):
+    from llmem_plugin.trl_head import DPO_REFUSED
+
+    for key, why in DPO_REFUSED.items():
         if r.get(key, False, kind=bool):
             r.refuse(key, True, why, f"set {key}: false")
     r.ignore("precompute_ref_batch_size", "precompute_ref_log_probs", "use_weighting")

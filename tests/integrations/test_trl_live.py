@@ -55,13 +55,13 @@ def test_dpo_trainer_with_its_reference_is_estimated_within_1pct_of_the_measured
     assert (wl["loss"], wl["reference_model"], wl["micro_batch_size"], wl["seq_len"]) == ("trl-fused", True, 4, 41)
 
 
-def _trainer_of(name: str, module: str, **args):
+def _trainer_of(name: str, module: str, base: type = object, **args):
     """An object whose class looks like a TRL trainer to the adapter (no TRL import)."""
     import types
 
     import torch
 
-    cls = type(name, (), {"__module__": module})
+    cls = type(name, (base,), {"__module__": module})
     trainer = cls()
     trainer.args = types.SimpleNamespace(**args)
     trainer.model = torch.nn.Linear(2, 2)
@@ -69,27 +69,65 @@ def _trainer_of(name: str, module: str, **args):
     return trainer
 
 
+def _step(trainer, **live_fields):
+    import dataclasses
+
+    from llmem_plugin.integrations import _common
+    from llmem_plugin.integrations.hf import _trl_step
+
+    return _trl_step(trainer, dataclasses.replace(_common.live_model(trainer.model), **live_fields))
+
+
 @pytest.mark.parametrize("name,module", [("GRPOTrainer", "trl.trainer.grpo_trainer"),
                                          ("KTOTrainer", "trl.trainer.kto_trainer"),
                                          ("RLOOTrainer", "trl.trainer.rloo_trainer")])
 def test_trl_trainers_other_than_sft_and_dpo_are_refused_in_one_line(name, module):
     from llmem_plugin.errors import UnsupportedError
-    from llmem_plugin.integrations.hf import _trl_step
 
     with pytest.raises(UnsupportedError, match=f"TRL's {name} is not modelled") as e:
-        _trl_step(_trainer_of(name, module))
+        _step(_trainer_of(name, module))
     assert "\n" not in str(e.value)
+
+
+def test_an_sft_subclass_in_trl_with_a_teacher_is_refused_and_a_user_subclass_is_sft():
+    from llmem_plugin.errors import UnsupportedError
+
+    sft = type(_trainer_of("SFTTrainer", "trl.trainer.sft_trainer"))
+    with pytest.raises(UnsupportedError, match="TRL's GKDTrainer is not modelled"):
+        _step(_trainer_of("GKDTrainer", "trl.experimental.gkd.gkd_trainer", base=sft))
+    assert _step(_trainer_of("MySFT", "my_project.train", base=sft)) == "sft"
+
+
+def test_sft_with_a_full_logits_loss_is_refused():
+    from llmem_plugin.errors import UnsupportedError
+
+    trainer = _trainer_of("SFTTrainer", "trl.trainer.sft_trainer")
+    trainer.label_smoother = object()
+    with pytest.raises(UnsupportedError, match="label_smoothing_factor or compute_loss_func.*HINT"):
+        _step(trainer)
 
 
 @pytest.mark.parametrize("key", ["precompute_ref_log_probs", "use_weighting"])
 def test_dpo_settings_that_change_the_step_are_refused(key):
     from llmem_plugin.errors import UnsupportedError
-    from llmem_plugin.integrations.hf import _trl_step
 
     args = {"precompute_ref_log_probs": False, "use_weighting": False, key: True}
     with pytest.raises(UnsupportedError, match=f"DPOConfig {key}=True is not modelled.*HINT: set {key}=False"):
-        _trl_step(_trainer_of("DPOTrainer", "trl.trainer.dpo_trainer", **args))
+        _step(_trainer_of("DPOTrainer", "trl.trainer.dpo_trainer", **args))
     ok = _trainer_of("DPOTrainer", "trl.trainer.dpo_trainer", precompute_ref_log_probs=False, use_weighting=False)
-    assert _trl_step(ok) == "dpo"
-    assert _trl_step(_trainer_of("SFTTrainer", "trl.trainer.sft_trainer")) == "sft"
-    assert _trl_step(_trainer_of("Trainer", "transformers.trainer")) is None
+    assert _step(ok) == "dpo"
+    assert _step(_trainer_of("SFTTrainer", "trl.trainer.sft_trainer")) == "sft"
+    assert _step(_trainer_of("Trainer", "transformers.trainer")) is None
+
+
+def test_a_separate_reference_beside_a_lora_policy_is_refused():
+    # TRL uses a given ref_model even for a peft policy (dpo_trainer.py); the estimate would disable adapters
+    import copy
+
+    from llmem_plugin.errors import UnsupportedError
+    from llmem_plugin.workload import LoraSpec
+
+    trainer = _trainer_of("DPOTrainer", "trl.trainer.dpo_trainer", precompute_ref_log_probs=False, use_weighting=False)
+    trainer.ref_model = copy.deepcopy(trainer.model)
+    with pytest.raises(UnsupportedError, match="separate ref_model beside a LoRA policy.*HINT: pass ref_model=None"):
+        _step(trainer, lora=LoraSpec(rank=4))

@@ -101,3 +101,10 @@ def test_a_bad_value_names_its_key(tmp_path, capsys):
     path = _write(tmp_path, _SMALL.format(model="qwen2.5-0.5b").replace("micro_batch_size: 2", "micro_batch_size: 0"))
     line = _one_error(*run(capsys, "estimate", "--config", path)[::2])
     assert "--batch-size" in line and "job.yaml: micro_batch_size" in line
+
+
+def test_plan_refuses_a_dpo_config_in_one_line(capsys):
+    # the planner's profiles are 1 and 2 rows; DPO's rows come in chosen/rejected pairs
+    dpo = str(EXAMPLES / "trl" / "qwen2_5_0_5b_dpo_lora.yaml")
+    line = _one_error(*run(capsys, "plan", "--config", dpo, "--gpus", "1", "--gpu", "h100-sxm")[::2])
+    assert "does not search TRL DPO's paired rows" in line and "HINT" in line

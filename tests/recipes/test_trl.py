@@ -60,6 +60,7 @@ def test_schema_keys_and_defaults_match_the_wheel():
     shipped = json.loads(resources.files("llmem_plugin.recipes").joinpath("trl_keys.json").read_text())
     assert shipped["defaults"] == run_probe("trl_args.py", "--keys")
     assert shipped["dpo_defaults"] == run_probe("trl_args.py", "--dpo-keys")
+    assert shipped["other_keys"] == run_probe("trl_args.py", "--other-keys")
 
 
 def _write(tmp_path, text):
@@ -124,3 +125,19 @@ def test_a_dpo_config_is_told_from_its_keys(tmp_path):
         recipe = read_recipe(_write(tmp_path, _BASE + "per_device_train_batch_size: 3\n" + extra))
         o = recipe.options
         assert (o["--batch-size"], o.get("--reference-model", False)) == ((6, True) if dpo else (3, False)), extra
+
+
+def test_another_trainers_config_is_refused(tmp_path):
+    """GRPO shares beta with DPO; its num_generations is its own: refused, not estimated as DPO."""
+    with pytest.raises(UnsupportedError, match="num_generations is a GRPOConfig key.*HINT"):
+        read_recipe(_write(tmp_path, _BASE + "beta: 0.04\nnum_generations: 8\n"))
+
+
+def test_config_format_names_the_trl_command(tmp_path):
+    path = _write(tmp_path, _BASE + "per_device_train_batch_size: 2\n")
+    auto = read_recipe(path)
+    assert auto.framework.endswith("(SFTTrainer)") and any("--config-format trl-dpo" in n for n in auto.notes)
+    dpo = read_recipe(path, "trl-dpo")
+    assert dpo.framework.endswith("(DPOTrainer)") and dpo.options["--batch-size"] == 4
+    assert dpo.options["--reference-model"] is True
+    assert read_recipe(str(tmp_path / "sft.yaml"), "trl-sft").options["--batch-size"] == 2

@@ -8,7 +8,8 @@ ModelConfig, DatasetMixtureConfig))`` and ``parse_args_and_config``
 are stubs (imported at module level by trl's utilities), and ``use_cpu`` is
 set because TrainingArguments refuses bf16 on a machine without a GPU. With
 ``--keys`` it prints the four dataclasses' fields and their defaults instead (``--dpo-keys``: DPOConfig's
-own fields); with ``--dump FILE`` it writes an SFTConfig as JSON.
+own fields, ``--other-keys``: the other trainers' own fields and their config class); with ``--dump FILE`` it
+writes an SFTConfig as JSON.
 """
 
 import dataclasses
@@ -46,6 +47,17 @@ if sys.argv[1] in ("--keys", "--dpo-keys"):  # every field with its default (a f
                 value = None
             defaults.setdefault(f.name, json.loads(json.dumps(getattr(value, "value", value), default=str)))
     print(json.dumps(dict(sorted(defaults.items()))))
+    sys.exit(0)
+if sys.argv[1] == "--other-keys":  # the other trainers' own fields -> their config class (first one wins)
+    from trl import DistillationConfig, GRPOConfig, KTOConfig, RewardConfig, RLOOConfig
+
+    known = {f.name for c in (*classes, DPOConfig) for f in dataclasses.fields(c)}
+    others = {}
+    for c in (GRPOConfig, RLOOConfig, KTOConfig, RewardConfig, DistillationConfig):
+        for f in dataclasses.fields(c):
+            if f.name not in known:
+                others.setdefault(f.name, c.__name__)
+    print(json.dumps(dict(sorted(others.items()))))
     sys.exit(0)
 if sys.argv[1] == "--dump":  # an SFTConfig saved as JSON (to_json_string), as a job's arguments are kept
     config = SFTConfig(output_dir="out", use_cpu=True, per_device_train_batch_size=4, max_length=512)
