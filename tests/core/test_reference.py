@@ -157,3 +157,23 @@ def test_trl_fused_dpo_needs_whole_pairs():
     with pytest.raises(ConfigError, match="--batch-size 3 is odd.*HINT: pass --batch-size 2 x pairs"):
         Workload(micro_batch_size=3, reference_model=True, loss="trl-fused")
     Workload(micro_batch_size=3, reference_model=True)  # full logits: any rows
+
+
+def test_trl_fused_backward_upcasts_16_bit_operands_before_torch_2_8(monkeypatch):
+    """chunked_logprob.py _addmm_fp32: without addmm(out_dtype) (torch < 2.8) each 16-bit accumulation upcasts
+    both operands: for the input gradient an fp32 copy of the [n, vocabulary chunk] tile and of the weight
+    chunk (the tiny vocabulary is one chunk)."""
+    from llmem_plugin import trl_head
+
+    b, s = 2, 48
+    wl = Workload(seq_len=s, micro_batch_size=b, precision="bf16", lora=LoraSpec(rank=4), loss="trl-fused")
+    n = b * (s - 1)
+    tile32 = round_allocation(n * min(_CFG.vocab_size, 32768) * 4)
+    weight32 = round_allocation(_CFG.vocab_size * _CFG.hidden_size * 4)
+    counts = {}
+    for out_dtype in (True, False):
+        monkeypatch.setattr(trl_head, "_MM_OUT_DTYPE", out_dtype)
+        sizes = [n_ for sign, _, n_ in _trace(wl, real=False).events if sign > 0]
+        counts[out_dtype] = (sizes.count(tile32), sizes.count(weight32))
+    # two traced steps; the LoRA'd model's lm_head is frozen, so only the input gradient accumulates
+    assert counts[False][0] - counts[True][0] == 2 and counts[False][1] - counts[True][1] == 2
