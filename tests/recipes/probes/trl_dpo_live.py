@@ -15,32 +15,23 @@ or copy (a full fine-tune with ref_model=deepcopy(model)); DTYPE fp32 or bf16
 """
 
 import copy
-import json
 import sys
-import warnings
 
 import datasets
 import pyarrow as pa
 import torch
 import transformers
+from _trl_live import callback, tokenizer, train_and_report
 from datasets.table import InMemoryTable
 from peft import LoraConfig
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
-from llmem_plugin.integrations.hf import LLMemCallback  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.conftest import tiny_config
 
 reference, dtype = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 cfg = tiny_config("llama")
 vocab = cfg.vocab_size
-# Special tokens are matched inside words, so none is a prefix of another word.
-words = Tokenizer(models.WordLevel({"<pad>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}, unk_token="<pad>"))
-words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>")
 model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 if dtype == "bf16":
     model = model.to(torch.bfloat16)
@@ -58,18 +49,9 @@ data = datasets.Dataset(InMemoryTable(table), fingerprint="llmem-dpo-probe")
 args = DPOConfig(output_dir="/tmp/llmem-dpo-probe", per_device_train_batch_size=2, max_steps=3, use_cpu=True,
                  report_to=[], logging_steps=1, save_strategy="no", dataloader_num_workers=0, max_length=64,
                  bf16=dtype == "bf16", gradient_checkpointing=False)
-callback = LLMemCallback(gpu="h100-sxm", compare_after_steps=2, record_file=False)
+cb = callback()
 extra = ({"peft_config": LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")}
          if reference == "lora" else {"ref_model": copy.deepcopy(model)})
-trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[callback],
+trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(vocab), callbacks=[cb],
                      **extra)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    trainer.train()
-out = {"warnings": [str(w.message) for w in caught if "llmem" in str(w.message)], "steps": trainer.state.global_step,
-       "predicted": None, "measured": None, "workload": None}
-if callback.comparison is not None:
-    out.update(predicted=callback.comparison.prediction.tensor_bytes,
-               measured=callback.comparison.measurement.allocated_bytes,
-               workload=callback.comparison.prediction.workload)
-print(json.dumps(out))
+train_and_report(trainer, cb)

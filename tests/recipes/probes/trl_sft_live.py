@@ -14,32 +14,23 @@ bfd, none; DTYPE fp32 (autocast-free fp32) or bf16 (bf16 weights, bf16=True);
 GC 0 or 1; TUNING lora (a LoRA ``peft_config``) or full.
 """
 
-import json
 import sys
-import warnings
-from pathlib import Path
 
 import datasets
 import pyarrow as pa
 import torch
 import transformers
+from _trl_live import callback, tokenizer, train_and_report
 from datasets.table import InMemoryTable
 from peft import LoraConfig
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from llmem_plugin.integrations.hf import LLMemCallback  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.conftest import tiny_config
 
 packing, dtype, gc, tuning = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 torch.manual_seed(0)
 cfg = tiny_config("llama")
 vocab = cfg.vocab_size
-tokenizer = PreTrainedTokenizerFast(
-    tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")),
-    pad_token="t0", eos_token="t1")
 model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 if dtype == "bf16":
     model = model.to(torch.bfloat16)
@@ -53,17 +44,8 @@ args = SFTConfig(output_dir="/tmp/llmem-sft-probe",
                  save_strategy="no", dataloader_num_workers=0, max_length=64, packing=packing != "none",
                  packing_strategy="bfd" if packing == "none" else packing, bf16=dtype == "bf16",
                  gradient_checkpointing=gc)
-callback = LLMemCallback(gpu="h100-sxm", compare_after_steps=2, record_file=False)
+cb = callback()
 lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM") if tuning == "lora" else None
-trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[callback],
+trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer(vocab), callbacks=[cb],
                      peft_config=lora)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    trainer.train()
-out = {"warnings": [str(w.message) for w in caught if "llmem" in str(w.message)], "steps": trainer.state.global_step,
-       "predicted": None, "measured": None, "workload": None}
-if callback.comparison is not None:
-    out.update(predicted=callback.comparison.prediction.tensor_bytes,
-               measured=callback.comparison.measurement.allocated_bytes,
-               workload=callback.comparison.prediction.workload)
-print(json.dumps(out))
+train_and_report(trainer, cb)
