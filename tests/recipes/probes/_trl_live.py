@@ -1,4 +1,4 @@
-"""What the live TRL probes share (trl_sft_live.py, trl_dpo_live.py): the tiny model's tokenizer, the
+"""What the live TRL probes share (trl_sft_live.py, trl_dpo_live.py): the tiny model and its tokenizer, the
 callback, and the run's report as the JSON line the tests read."""
 
 import json
@@ -11,6 +11,17 @@ from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from llmem_plugin.integrations.hf import LLMemCallback  # noqa: E402
+from tests.conftest import tiny_config  # noqa: E402
+
+
+def model(dtype: str):
+    """The tiny Llama (sdpa), seeded; bf16 weights for ``dtype`` "bf16"."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    return m.to(torch.bfloat16) if dtype == "bf16" else m
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:

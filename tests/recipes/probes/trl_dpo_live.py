@@ -20,21 +20,15 @@ import sys
 import datasets
 import pyarrow as pa
 import torch
-import transformers
 from _trl_live import callback, tokenizer, train_and_report
+from _trl_live import model as tiny_model
 from datasets.table import InMemoryTable
 from peft import LoraConfig
 from trl import DPOConfig, DPOTrainer
 
-from tests.conftest import tiny_config
-
 reference, dtype = sys.argv[1], sys.argv[2]
-torch.manual_seed(0)
-cfg = tiny_config("llama")
-vocab = cfg.vocab_size
-model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-if dtype == "bf16":
-    model = model.to(torch.bfloat16)
+model = tiny_model(dtype)
+vocab = model.config.vocab_size
 g = torch.Generator().manual_seed(0)
 
 

@@ -19,21 +19,15 @@ import sys
 import datasets
 import pyarrow as pa
 import torch
-import transformers
 from _trl_live import callback, tokenizer, train_and_report
+from _trl_live import model as tiny_model
 from datasets.table import InMemoryTable
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
-from tests.conftest import tiny_config
-
 packing, dtype, gc, tuning = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
-torch.manual_seed(0)
-cfg = tiny_config("llama")
-vocab = cfg.vocab_size
-model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-if dtype == "bf16":
-    model = model.to(torch.bfloat16)
+model = tiny_model(dtype)
+vocab = model.config.vocab_size
 g = torch.Generator().manual_seed(0)
 rows = [torch.randint(2, vocab, (int(torch.randint(20, 90, (1,), generator=g)),), generator=g).tolist()
         for _ in range(64)]
