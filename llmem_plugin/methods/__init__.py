@@ -28,7 +28,7 @@ from llmem_plugin.methods.layout import Layout
 __all__ = ["Layout", "MethodEstimate", "RankMemory", "estimate_method", "extrapolated", "method_names"]
 
 # Method-family modules, in the order `--method all` reports them.
-_MODULES = ("single", "ddp", "zero", "fsdp", "tp", "colossal", "colossal_hybrid")
+_MODULES = ("single", "ddp", "zero", "fsdp", "tp", "colossal", "colossal_hybrid", "pp")
 
 
 def _registry() -> dict[str, tuple[str, dict[str, Any]]]:

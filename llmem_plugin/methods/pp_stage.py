@@ -1,0 +1,272 @@
+"""One pipeline rank's training step, as torch's own pipelining runs it.
+
+A rank holds one or more stages of a decoder-only causal LM
+(:class:`DecoderStage`: the embedding on the first, a run of decoder layers,
+the final norm and head on the last) and runs torch 2.13's
+``torch.distributed.pipelining`` schedule over them: ``PipelineStage``'s
+receive buffers, its forward cache and output chunks, its input gradients
+accumulated on the receive buffers, the schedule's loss and gradient scaling
+are all torch's own code. :func:`run_rank` drives it under a
+:class:`~llmem_plugin.tracker.MemoryTracker`, either on real tensors inside a
+real process group (the ground truth: a multi-process gloo run on CPU) or on
+fake tensors under the fake process group (the estimate).
+
+What a fake run needs (torch 2.13):
+
+* each stage gets static ``input_args``/``output_args`` (non-first inputs and
+  all outputs requiring grad), so no shape inference runs a forward, and the
+  warm-up vote (``_PipelineSchedule._warmup_p2p``) comes out
+  ``InferenceMode.STATIC``. The vote reads its result with ``.item()``, which
+  a fake tensor cannot answer; the tracker answers 1 (its placeholder for
+  ``.item()``), the static vote, so the vote runs and allocates as it does;
+* the fake process group's P2P works hold their tensors as real ones do
+  (:func:`held_p2p_works`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.errors import UnsupportedError
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase
+
+__all__ = ["DecoderStage", "StageSpec", "run_rank", "stage_modules"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A global pipeline stage: decoder layers ``[start, stop)`` of ``num_stages`` stages."""
+
+    index: int
+    num_stages: int
+    start: int
+    stop: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder, head) of a causal LM whose decoder has ``embed_tokens``, ``layers``, ``norm`` and
+    ``rotary_emb``, as the Llama family's."""
+    decoder = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if decoder is None or head is None or not all(
+            hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise UnsupportedError(f"pipeline stages are modelled for Llama-family causal LMs (model.embed_tokens, "
+                               f"layers, norm, rotary_emb and lm_head); {type(model).__name__} has another layout. "
+                               "HINT: estimate it with a method without pipeline parallelism")
+    return decoder, head
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a Llama-family causal LM, as torchtitan cuts its models: the first stage embeds
+    token ids, every stage runs its decoder layers with rotary embeddings from its own copy of the rotary
+    module, the last applies the final norm and the head and returns the logits. Causal attention is the
+    kernels' own (no mask tensor), as for unpadded rows.
+
+    A stage's modules are the full model's own, so its parameters are that model's.
+    """
+
+    def __init__(self, model: nn.Module, spec: StageSpec) -> None:
+        super().__init__()
+        decoder, head = _decoder_parts(model)
+        self.spec = spec
+        self.embed_tokens = decoder.embed_tokens if spec.first else None
+        self.layers = nn.ModuleList(list(decoder.layers)[spec.start:spec.stop])
+        self.rotary_emb = decoder.rotary_emb
+        self.norm = decoder.norm if spec.last else None
+        self.lm_head = head if spec.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(h, position_ids)
+        for layer in self.layers:
+            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def stage_modules(model: nn.Module, specs: list[StageSpec]) -> list[DecoderStage]:
+    """This rank's stages of ``model``; the rest of the model is dropped with it."""
+    return [DecoderStage(model, s) for s in specs]
+
+
+def _static_args(spec: StageSpec, micro_batch: int, seq_len: int, hidden: int, vocab: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``input_args``/``output_args`` of a stage's ``PipelineStage``: meta tensors of one microbatch's
+    shapes (only their metadata is read)."""
+    if spec.first:
+        inp = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
+    else:
+        inp = torch.empty(micro_batch, seq_len, hidden, dtype=dtype, device="meta", requires_grad=True)
+    width = vocab if spec.last else hidden
+    out = torch.empty(micro_batch, seq_len, width, dtype=dtype, device="meta", requires_grad=True)
+    return inp, out
+
+
+class _HeldWork:
+    """A fake process group's P2P work that keeps its tensor until it is dropped, as a real one does: gloo's
+    send and receive works own their tensor (ProcessGroupGloo.cpp, ``SendWork``/``RecvWork``), so a sent
+    activation outlives the stage's forward cache until the schedule lets go of the work. (NCCL's works
+    release their stashed tensors at ``wait()``, which the schedule calls just before it drops them, so this
+    is the later of the two, the safe side.)"""
+
+    __slots__ = ("_work", "_tensor")
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work, self._tensor = work, tensor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def held_p2p_works() -> Iterator[None]:
+    """The fake process group's P2P works keep their tensors (:class:`_HeldWork`), within this context."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = original(p2p_ops, desc)
+        if len(works) != len(p2p_ops):  # one coalesced work for a mixed batch: it holds every tensor
+            return [_HeldWork(w, [op.tensor for op in p2p_ops]) for w in works]
+        return [_HeldWork(w, op.tensor) for w, op in zip(works, p2p_ops)]
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
+
+
+def _phased(stage: Any, tracker: MemoryTracker, on_action: Callable[[str, int, int], None] | None) -> None:
+    """Announce each compute action of ``stage`` to the tracker: its phase, and a mark ``kind:stage:mb`` (kind
+    F, B, I or W), whose first position the trace keeps."""
+    for name, phase, kind in (("forward_one_chunk", Phase.FORWARD, "F"),
+                              ("backward_one_chunk", Phase.BACKWARD, "B"),
+                              ("backward_weight_one_chunk", Phase.BACKWARD, "W")):
+        original = getattr(stage, name)
+
+        def wrapped(chunk_id, *args, _original=original, _phase=phase, _kind=kind, **kwargs):
+            if _kind == "B" and not kwargs.get("full_backward", True):
+                _kind = "I"
+            tracker.set_phase(_phase)
+            tracker.mark(f"{_kind}:{stage.stage_index}:{chunk_id}")  # TraceResult.marks: "F:0:3:forward"
+            if on_action is not None:
+                on_action(_kind, stage.stage_index, chunk_id)
+            return _original(chunk_id, *args, **kwargs)
+
+        setattr(stage, name, wrapped)
+
+
+def run_rank(
+    model: nn.Module,
+    specs: list[StageSpec],
+    *,
+    schedule: str,
+    microbatches: int,
+    micro_batch_size: int,
+    seq_len: int,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    tracker: MemoryTracker,
+    group: Any = None,
+    fake_mode: Any = None,
+    iterations: int = 2,
+    vocab_size: int | None = None,
+    contexts: tuple[contextlib.AbstractContextManager, ...] = (),
+    on_action: Callable[[str, int, int], None] | None = None,
+) -> None:
+    """Run ``iterations`` training steps of this rank's ``specs`` stages under ``tracker``.
+
+    Args:
+        model: The whole model (real or fake tensors); only this rank's stages are used.
+        specs: This rank's global stages, in increasing index.
+        schedule: A name of :data:`llmem_plugin.methods.pp_schedule.SCHEDULES`.
+        microbatches: Microbatches per step; the step's batch is ``microbatches x micro_batch_size`` rows.
+        optimizer: Builds the optimizer over the rank's trainable parameters.
+        group: The pipeline process group (the default group if None).
+        fake_mode: The fake mode the model's tensors belong to (None: a real run).
+        contexts: Entered inside the tracker around the steps (e.g. the CUDA emulation).
+        on_action: Called before every compute action with (kind, stage, microbatch).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from llmem_plugin.methods.pp_schedule import SCHEDULES
+    from llmem_plugin.step import state_tensors
+
+    modules = stage_modules(model, specs)
+    config = model.config
+    hidden, vocab = int(config.hidden_size), int(vocab_size or config.vocab_size)
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    device = torch.device("cpu")
+    stages = []
+    for spec, mod in zip(specs, modules):
+        inp, out = _static_args(spec, micro_batch_size, seq_len, hidden, vocab, dtype)
+        stages.append(PipelineStage(mod, spec.index, spec.num_stages, device, input_args=inp, output_args=out,
+                                    group=group))
+    loss_function = model.loss_function
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_function(logits, target, vocab)
+
+    cls = get_schedule_class(SCHEDULES[schedule])
+    sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, microbatches, loss_fn=loss_fn)
+    params = [p for m in modules for p in m.parameters()]
+    unique = list({id(p): p for p in params}.values())
+    trainable = [p for p in unique if p.requires_grad]
+    opt = optimizer(trainable)
+    holds_first = any(s.first for s in specs)
+    holds_last = any(s.last for s in specs)
+    mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    rows = microbatches * micro_batch_size
+    with mode_ctx, tracker, contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(held_p2p_works())
+        tracker.register(unique, MemoryCategory.PARAMETER)
+        tracker.register([b for m in modules for b in m.buffers()], MemoryCategory.PARAMETER)
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        for stage in stages:
+            _phased(stage, tracker, on_action)
+        for _ in range(iterations):
+            tracker.set_phase(Phase.SETUP)
+            gen = torch.Generator().manual_seed(0) if fake_mode is None else None
+            args, kwargs = (), {}
+            batch = []
+            if holds_first:
+                ids = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+                args = (ids,)
+                batch.append(ids)
+            if holds_last:
+                target = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+                kwargs = {"target": target, "losses": []}
+                batch.append(target)
+            tracker.register(batch, MemoryCategory.INPUT)
+            sched.step(*args, **kwargs)
+            del args, kwargs, batch
+            tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
+            tracker.set_phase(Phase.OPTIMIZER)
+            opt.step()
+            tracker.label(state_tensors(opt), MemoryCategory.OPTIMIZER_STATE)
+            opt.zero_grad(set_to_none=True)
+        tracker.set_phase(Phase.SETUP)

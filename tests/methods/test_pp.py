@@ -1,0 +1,140 @@
+"""Pipeline parallelism: each rank's fake trace against a real 4-process gloo run of torch's own pipelining
+runtime on CPU (the same stages, schedule and emulation), byte for byte; and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import textwrap
+
+import pytest
+
+from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.gpus import get_gpu
+from llmem_plugin.methods import Layout, estimate_method
+from llmem_plugin.methods.pp import stage_specs, trace_rank
+from llmem_plugin.methods.pp_schedule import in_flight, stages_of_rank
+from llmem_plugin.workload import Workload
+from tests.conftest import tiny_config
+
+from ._gloo import run_gloo
+
+H100 = get_gpu("h100-sxm")
+P, M = 4, 8
+WL = Workload(seq_len=16, micro_batch_size=2, precision="fp32", optimizer="adamw")
+V_OF = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2, "interleaved-zb": 2}
+
+
+def _config():
+    return tiny_config("llama", num_hidden_layers=8)
+
+
+def _digest(trace) -> str:
+    return hashlib.sha256(json.dumps([(s, n) for s, _, n in trace.events]).encode()).hexdigest()
+
+
+_WORKER = textwrap.dedent("""
+    import hashlib, json, os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.environ["REPO"])
+    from llmem_plugin import modelbuild
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.methods.pp import stage_specs, trace_rank
+    from llmem_plugin.methods.pp_schedule import stages_of_rank
+    from tests.methods.test_pp import WL, P, M, V_OF, _config
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = {}
+    for schedule in os.environ["SCHEDULES"].split(","):
+        v = V_OF[schedule]
+        specs = stage_specs(8, P * v)
+        mine = [specs[s] for s in sorted(stages_of_rank(schedule, P, rank, v))]
+        torch.manual_seed(0)
+        model = modelbuild.build_model(_config(), WL, device="cpu")
+        t = trace_rank(model, WL, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
+                       gpu=get_gpu("h100-sxm"), fake=False)
+        out[schedule] = {"peak": t.peak_bytes, "phase": t.peak_phase.value,
+                         "events": hashlib.sha256(json.dumps([(s, n) for s, _, n in t.events]).encode()).hexdigest()}
+        dist.barrier()
+    print(json.dumps(out))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    outs = run_gloo(tmp_path_factory.mktemp("pp"), _WORKER, world=P, timeout=900,
+                    env={"SCHEDULES": ",".join(V_OF)})
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+@pytest.mark.parametrize("schedule", list(V_OF))
+def test_every_rank_equals_a_real_gloo_run(gloo_runs, schedule):
+    v = V_OF[schedule]
+    specs = stage_specs(8, P * v)
+    for rank in range(P):
+        mine = [specs[s] for s in sorted(stages_of_rank(schedule, P, rank, v))]
+        fake = trace_rank(_config(), WL, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
+                          gpu=H100)
+        real = gloo_runs[rank][schedule]
+        assert (fake.peak_bytes, fake.peak_phase.value) == (real["peak"], real["phase"]), (schedule, rank)
+        assert _digest(fake) == real["events"], (schedule, rank)  # every allocation and free, in order
+
+
+def _live_before_first_backward(schedule, m):
+    """Tensor bytes live on rank 0 when its first backward starts (first step)."""
+    specs = stage_specs(8, P)
+    t = trace_rank(_config(), WL, [specs[0]], rank=0, pipeline_degree=P, schedule=schedule, microbatches=m,
+                   gpu=H100)
+    return sum(sign * n for sign, _, n in t.events[:t.marks["B:0:0:backward"]])
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_its_warmup():
+    """When rank 0's first backward starts, GPipe has run all M forwards and 1F1B its P warm-up ones
+    (torch's loop: min(M, P - stage)). One more microbatch adds, to 1F1B there, one gradient receive buffer
+    (PipelineStage makes one per microbatch) and a longer input batch; to GPipe also one more chunk. So the
+    two differ by (M - P) chunks."""
+    def rounded(n):  # the CUDA allocator's 512-byte blocks (round_allocation)
+        return -(-n // 512) * 512
+
+    assert len(in_flight("gpipe", P, M)[0]) == M and len(in_flight("1f1b", P, M)[0]) == P
+    rows = WL.micro_batch_size
+    grad_buffer = rounded(rows * WL.seq_len * _config().hidden_size * 4)  # fp32 [mbs, S, h]
+    longer_input = rounded((M + 1) * rows * WL.seq_len * 8) - rounded(M * rows * WL.seq_len * 8)  # int64 ids
+    one_f_one_b = _live_before_first_backward("1f1b", M)
+    assert _live_before_first_backward("1f1b", M + 1) - one_f_one_b == grad_buffer + longer_input
+    gpipe = _live_before_first_backward("gpipe", M)
+    chunk = _live_before_first_backward("gpipe", M + 1) - gpipe - grad_buffer - longer_input
+    assert chunk > 0
+    assert gpipe - one_f_one_b == (M - P) * chunk
+
+
+def test_estimate_reports_every_rank_and_the_worst():
+    est = estimate_method("pp", _config(), WL, layout=Layout(num_gpus=P), gpu=H100, microbatches=M)
+    assert [r.rank for r in est.ranks] == list(range(P))
+    assert est.worst.device_total_bytes == max(r.device_total_bytes for r in est.ranks)
+    assert all(r.peak_allocated_bytes >= r.peak_tensor_bytes for r in est.ranks)
+    assert "rank 0: 4" in est.notes[1] and "rank 3: 1" in est.notes[1]
+
+
+@pytest.mark.parametrize("kwargs,layout,error,match", [
+    ({}, Layout(num_gpus=4, tp=2), UnsupportedError, "--tp"),
+    ({}, Layout(num_gpus=1), ConfigError, "at least 2 GPUs"),
+    ({"microbatches": 0}, Layout(num_gpus=4), ConfigError, "microbatches"),
+    ({"split": [1, 1, 1, 1]}, Layout(num_gpus=4), ConfigError, "summing to the model's 8 layers"),
+    ({"split": "deepspeed"}, Layout(num_gpus=4), ConfigError, "torchtitan, colossalai"),
+])
+def test_refusals(kwargs, layout, error, match):
+    with pytest.raises(error, match=match):
+        estimate_method("pp", _config(), WL, layout=layout, gpu=H100, **kwargs)
+
+
+@pytest.mark.parametrize("change,match", [({"precision": "bf16-mixed"}, "autocast"),
+                                          ({"grad_accum_steps": 2}, "--microbatches")])
+def test_workload_refusals(change, match):
+    wl = dataclasses.replace(WL, **change)
+    with pytest.raises((ConfigError, UnsupportedError), match=match):
+        estimate_method("pp", _config(), wl, layout=Layout(num_gpus=4), gpu=H100)
