@@ -111,6 +111,10 @@ _GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuni
 _GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "four times the largest published training job")
 _NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
 _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
+# --microbatches: the pipeline schedule's microbatches per step, bounded as the accumulation is.
+_MICROBATCHES = _int_arg("--microbatches", 1, _MAX_GRAD_ACCUM, "beyond any pipeline schedule")
+_PP = _int_arg("--pp", 2, _MAX_GPUS, "a pipeline of at least two ranks, at most one per GPU")
+_STAGES_PER_RANK = _int_arg("--stages-per-rank", 1, 16, "torchtitan's interleaved schedules use 2 to 4")
 _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
 _LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
 _LOGITS_TO_KEEP = _int_arg("--logits-to-keep", 0, _MAX_TOKENS, "at most every token; 0 keeps all")
@@ -523,6 +527,17 @@ def _parser_estimate(sub) -> None:
                         "are filled as the Trainer fills them")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallel for the tensor-parallel methods (tp, dp-tp, fsdp-tp)")
+    g.add_argument("--pp", type=_PP, default=None,
+                   help="pipeline methods (pp*): pipeline degree (default: --gpus); below --gpus, each stage is "
+                        "FSDP2-sharded over the remaining ranks, as torchtitan composes them")
+    g.add_argument("--microbatches", type=_MICROBATCHES, default=None,
+                   help="pipeline methods (pp*): microbatches per step, each of --batch-size rows (default: "
+                        "the pipeline degree)")
+    g.add_argument("--stages-per-rank", type=_STAGES_PER_RANK, default=None,
+                   help="pipeline methods: stages per rank (interleaved schedules; default 2, the V schedules 2)")
+    g.add_argument("--pp-split", default=None, metavar="SPLIT",
+                   help="pipeline methods: decoder layers per stage, 'torchtitan' (default), 'colossalai', or "
+                        "counts such as 8,9,8,7")
     g = p.add_argument_group("output")
     g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
     g.add_argument("--plot", default=None, metavar="FILE",
@@ -553,6 +568,16 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     if args.sequence_parallel and args.method not in (*_TP_METHODS, "all"):
         raise ConfigError(f"--sequence-parallel needs a tensor-parallel method, not --method {args.method}. "
                           f"HINT: use one of {', '.join(_TP_METHODS)}")
+    pipeline = {k: v for k, v in (("pipeline_degree", getattr(args, "pp", None)),
+                                  ("microbatches", getattr(args, "microbatches", None)),
+                                  ("stages_per_rank", getattr(args, "stages_per_rank", None)),
+                                  ("split", _pp_split(getattr(args, "pp_split", None)))) if v is not None}
+    if pipeline and not args.method.startswith("pp"):
+        flag = {"pipeline_degree": "--pp", "microbatches": "--microbatches", "stages_per_rank": "--stages-per-rank",
+                "split": "--pp-split"}
+        raise ConfigError(f"{flag[next(iter(pipeline))]} applies to the pipeline methods, not --method "
+                          f"{args.method}. HINT: use --method pp (or pp-gpipe, pp-interleaved, pp-zbv, pp-dualpipev, "
+                          "pp-interleaved-zb)")
     if args.offload and args.method != "all" and args.method not in _OFFLOAD_METHODS:
         raise ConfigError(f"--offload is not modelled for --method {args.method}. HINT: use one of "
                           f"{', '.join(sorted(set(_OFFLOAD_METHODS) & set(names)))}")
@@ -573,6 +598,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             skipped.append((name, "no CPU offload"))
             continue
         extra = {"sequence_parallel": True} if args.sequence_parallel and name in _TP_METHODS else {}
+        if name.startswith("pp"):
+            extra.update(pipeline)
         try:
             est = estimate_method(name, args.model, wl, layout=lay, gpu=gpu, alloc_conf=args.alloc_conf,
                                   torch_version=args.torch_version, **options, **extra)
@@ -622,6 +649,20 @@ _TP_DEGREE_METHODS = (*_TP_METHODS, "hybrid")
 _OFFLOAD_METHODS = ("fsdp", "hsdp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
 
 
+def _pp_split(text: str | None) -> str | list[int] | None:
+    """``--pp-split``: a framework's name, or comma-separated layers per stage."""
+    from llmem_plugin.errors import ConfigError
+
+    if text is None or text in ("torchtitan", "colossalai"):
+        return text
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pp-split {text!r} is not 'torchtitan', 'colossalai' or layers per stage. HINT: pass "
+                          "e.g. --pp-split 8,9,8,7") from None
+    return counts
+
+
 def _method_layouts(args: argparse.Namespace, names: list[str], layout):
     """(method, layout) pairs to estimate: the user's --tp, or for 'all' without
     --tp every tensor-parallel degree > 1 that divides a node's GPUs for the TP methods."""
@@ -634,6 +675,8 @@ def _method_layouts(args: argparse.Namespace, names: list[str], layout):
     degrees = [d for d in range(2, min(layout.gpus_per_node, _MAX_TP) + 1) if layout.gpus_per_node % d == 0]
     pairs = []
     for name in names:
+        if name.startswith("pp"):
+            continue  # the pipeline methods trace every rank's every microbatch: named with --method only
         if name in _TP_DEGREE_METHODS:
             pairs += [(name, dataclasses.replace(layout, tp=d)) for d in degrees]
             if not degrees:

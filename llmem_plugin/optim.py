@@ -326,6 +326,12 @@ def unsupported(method: str, workload: Workload) -> str | None:
             "and partitions its own optimizer states, whose layout for a bitsandbytes optimizer is not traced. "
             f"HINT: use --optimizer adamw with --method {method}, or {kind.value} with --method single or ddp"
         )
+    if method.startswith("pp"):
+        return (
+            f"--optimizer {kind.value} with --method {method} is not modelled: bitsandbytes' optimizers are "
+            "not verified on pipeline stages (nor on the FSDP2 shards inside them). "
+            f"HINT: use --optimizer adamw or adamw-fused with --method {method}"
+        )
     if method in _DTENSOR:
         return (
             f"--optimizer {kind.value} with --method {method} is not modelled: its parameters are DTensors and "

@@ -194,6 +194,10 @@ def run_rank(
     vocab_size: int | None = None,
     contexts: tuple[contextlib.AbstractContextManager, ...] = (),
     on_action: Callable[[str, int, int], None] | None = None,
+    return_outputs: bool = True,
+    modules: list[nn.Module] | None = None,
+    step: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+    activation_dtype: torch.dtype | None = None,
 ) -> None:
     """Run ``iterations`` training steps of this rank's ``specs`` stages under ``tracker``.
 
@@ -207,6 +211,14 @@ def run_rank(
         fake_mode: The fake mode the model's tensors belong to (None: a real run).
         contexts: Entered inside the tracker around the steps (e.g. the CUDA emulation).
         on_action: Called before every compute action with (kind, stage, microbatch).
+        return_outputs: ``step(return_outputs=...)``: torch's default True keeps every microbatch's logits
+            on the last stage and concatenates them when the step returns.
+        modules: The stages' modules already built (and wrapped, e.g. by ``fully_shard``); None builds
+            :func:`stage_modules`.
+        step: Runs the optimizer step and returns the optimizer whose states to label (default
+            ``optimizer.step()``).
+        activation_dtype: The dtype stages pass each other (default: the parameters'; FSDP2's mixed
+            precision computes in its ``param_dtype``).
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -214,10 +226,10 @@ def run_rank(
     from llmem_plugin.methods.pp_schedule import SCHEDULES
     from llmem_plugin.step import state_tensors
 
-    modules = stage_modules(model, specs)
+    modules = modules if modules is not None else stage_modules(model, specs)
     config = model.config
     hidden, vocab = int(config.hidden_size), int(vocab_size or config.vocab_size)
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    dtype = activation_dtype or next(p for p in model.parameters() if p.is_floating_point()).dtype
     device = torch.device("cpu")
     stages = []
     for spec, mod in zip(specs, modules):
@@ -262,11 +274,15 @@ def run_rank(
                 kwargs = {"target": target, "losses": []}
                 batch.append(target)
             tracker.register(batch, MemoryCategory.INPUT)
-            sched.step(*args, **kwargs)
+            sched.step(*args, return_outputs=return_outputs, **kwargs)
             del args, kwargs, batch
             tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
             tracker.set_phase(Phase.OPTIMIZER)
-            opt.step()
-            tracker.label(state_tensors(opt), MemoryCategory.OPTIMIZER_STATE)
+            if step is None:
+                opt.step()
+                stepped = opt
+            else:
+                stepped = step(opt)
+            tracker.label(state_tensors(stepped), MemoryCategory.OPTIMIZER_STATE)
             opt.zero_grad(set_to_none=True)
         tracker.set_phase(Phase.SETUP)

@@ -61,6 +61,12 @@ def test_single_method_matches_plain_estimate(capsys):
     (["--method", "ddp", "--gpus", "2", "--tp", "2"], "--tp"),
     (["--method", "ddp", "--gpus", "2", "--offload", "optimizer"], "--offload is not modelled"),
     (["--method", "ddp", "--gpus", "0"], "argument --gpus: 0 is outside [1, 65536]"),
+    (["--method", "ddp", "--gpus", "2", "--microbatches", "4"], "--microbatches applies to the pipeline methods"),
+    (["--method", "pp", "--gpus", "4", "--pp-split", "x"], "--pp-split 'x' is not"),
+    (["--method", "pp", "--gpus", "4", "--pp", "1"], "argument --pp: 1 is outside"),
+    (["--method", "pp", "--gpus", "4", "--precision", "bf16-mixed"], "autocast around a pipeline schedule"),
+    (["--method", "pp", "--gpus", "6", "--pp", "4", "--precision", "bf16"], "pipeline degree 4 must be at least 2 "
+                                                                            "and divide the 6 GPUs"),
 ])
 def test_layout_errors_exit_2(capsys, argv, fragment):
     code, _, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", *argv)
@@ -92,3 +98,21 @@ def test_method_that_does_not_fit_exits_3(capsys, tmp_path):
     assert code == EXIT_WONT_FIT, err
     assert not json.loads(out)["methods"][0]["fits"]
     assert err.strip().splitlines()[-1].startswith("llmem: --method ddp does not fit 2 x h100-sxm (8 MiB each); exit code 3")
+
+
+def test_pipeline_rows_every_rank(capsys, tmp_path):
+    """--method pp reports every pipeline rank; --method all leaves the pipeline methods out."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "vocab_size": 256}))
+    argv = ["estimate", "--model", str(cfg), "--seq-len", "32", "--gpus", "2", "--precision", "bf16", "--json"]
+    code, out, err = run(capsys, *argv, "--method", "pp-gpipe", "--microbatches", "3", "--pp-split", "1,3")
+    assert code == 0, err
+    row = json.loads(out)["methods"][0]
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    assert "3 microbatches" in row["notes"][0] and "[1, 3] (given)" in row["notes"][0]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    names = {r["method"] for r in json.loads(out)["methods"]} | {s["method"] for s in json.loads(out)["skipped"]}
+    assert not any(n.startswith("pp") for n in names)

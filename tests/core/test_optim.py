@@ -187,11 +187,12 @@ def test_unsupported_names_every_method_it_refuses():
     own = {"zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "gemini", "lowlevel-zero1",
            "lowlevel-zero2", "hybrid"}
     dtensor = {"fsdp", "hsdp", "tp", "dp-tp", "fsdp-tp"}
-    assert set(method_names()) == own | dtensor | {"single", "ddp"}
+    pipeline = {"pp", "pp-gpipe", "pp-interleaved", "pp-zbv", "pp-dualpipev", "pp-interleaved-zb"}
+    assert set(method_names()) == own | dtensor | pipeline | {"single", "ddp"}
     for method in [*method_names(), "single"]:
         assert unsupported(method, Workload(optimizer="adamw")) is None
         reason = unsupported(method, eight)
-        if method in own | dtensor:
+        if method in own | dtensor | pipeline:
             assert f"--method {method}" in reason and "HINT:" in reason
             with pytest.raises(ConfigError, match="adamw8bit"):
                 check_supported(method, eight)

@@ -31,7 +31,8 @@ def test_tp_must_divide_heads_kv_heads_and_intermediate():
 def test_registry_names_exactly():
     assert method_names() == ["single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
                               "fsdp", "hsdp", "tp", "dp-tp", "fsdp-tp", "gemini", "lowlevel-zero1",
-                              "lowlevel-zero2", "hybrid"]
+                              "lowlevel-zero2", "hybrid", "pp", "pp-gpipe", "pp-interleaved", "pp-zbv",
+                              "pp-dualpipev", "pp-interleaved-zb"]
 
 
 def test_host_bytes_per_node_and_worst_rank():

@@ -88,3 +88,19 @@ def test_bad_schedules_are_one_line_errors(args, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         rank_actions(*args)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("v", [2, 3])
+def test_first_stage_equals_megatron_schedule_factors(p, k, v):
+    """Megatron-LM's compute_activation_memory (megatron/training/theoretical_memory_usage.py) gives the first
+    stage min(m, p) microbatches in flight without interleaving, and p x (1 + (p - 1) / (p v)) stage-sized
+    microbatches with v virtual stages, i.e. p v + p - 1 chunks of 1/v stage, for m a multiple of p from 2p
+    (at m = p every chunk is in flight: m v, which that formula does not discount)."""
+    m = k * p
+    assert len(in_flight("1f1b", p, m)[0]) == min(m, p)
+    assert len(in_flight("interleaved-1f1b", p, p, v)[0]) == p * v
+    assert len(in_flight("1f1b", p + 1, 2)[0]) == min(2, p + 1)  # fewer microbatches than stages
+    penalty = 1 + (p - 1) / (p * v)
+    assert len(in_flight("interleaved-1f1b", p, m, v)[0]) == round(penalty * p * v) == p * v + p - 1
