@@ -600,6 +600,7 @@ def _cmd_methods(args: argparse.Namespace) -> int:
         extra = {"sequence_parallel": True} if args.sequence_parallel and name in _TP_METHODS else {}
         if name.startswith("pp"):
             extra.update(pipeline)
+            extra["fast"] = args.fast  # per-stage depth extrapolation (llmem_plugin.methods.pp)
         try:
             est = estimate_method(name, args.model, wl, layout=lay, gpu=gpu, alloc_conf=args.alloc_conf,
                                   torch_version=args.torch_version, **options, **extra)

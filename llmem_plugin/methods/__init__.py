@@ -99,6 +99,9 @@ def estimate_method(
         return fn(source, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, **{**settings, **options})
 
+    if mod == "pp":  # its fast mode shortens each stage, not the model (llmem_plugin.methods.pp)
+        return fn(model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
+                  preset=name, fast=fast and not isinstance(model, nn.Module), **{**settings, **options})
     if not fast or isinstance(model, nn.Module):
         return run(model)
     if mod == "single":

@@ -35,15 +35,16 @@ from llmem_plugin import modelbuild
 from llmem_plugin.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
-from llmem_plugin.methods.base import MethodEstimate, rank_memory
+from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.methods.pp_schedule import SCHEDULES, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
 from llmem_plugin.methods.pp_stage import StageSpec, run_rank, stage_modules
-from llmem_plugin.tracker import MemoryTracker, TraceResult
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import LossImpl, OptimizerKind, Workload
 
-__all__ = ["PRESETS", "estimate", "pipeline_mesh", "shard_stage", "stage_specs", "trace_rank"]
+__all__ = ["PRESETS", "estimate", "pipeline_mesh", "segment_peaks", "shard_stage", "stage_specs", "torchtitan_sections",
+           "trace_rank"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "pp": {"schedule": "1f1b"},
@@ -111,7 +112,8 @@ def pipeline_mesh(pipeline_degree: int, dp_shard: int) -> Any:
 def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: int, pipeline_degree: int,
                schedule: str, microbatches: int, gpu: GPU, fake: bool = True, group: Any = None,
                return_outputs: bool = True, dp_shard: int = 1, mesh: Any = None,
-               prepare: Any = None, streams: dict[int, int] | None = None) -> TraceResult:
+               prepare: Any = None, streams: dict[int, int] | None = None,
+               segments: list[tuple[str, int]] | None = None) -> TraceResult:
     """Trace global ``rank``'s two training steps of its ``specs`` stages: on fake tensors under the fake
     process group, or (``fake=False``, inside a real process group) on the real model ``model``, which the
     ground-truth runs use.
@@ -123,6 +125,10 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
         prepare: Called with the stage modules once sharded (the real run's gloo collectives).
         streams: Filled with the side stream of each allocation FSDP2 makes off the default stream (its
             all-gather and reduce-scatter streams), by trace record index, for :func:`rank_memory`.
+        segments: Filled with (action, position in the trace's ``events`` where it starts): every compute
+            action ("F:stage:microbatch:step", "B:...", "I:...", "W:...") and what runs after it until the
+            next one ("after-F:...": P2P, the loss, the end of the schedule's step), each step's start and
+            its optimizer step.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -156,15 +162,32 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
                 prepare(modules)
             contexts += [isolated_sharding_propagation(), fsdp_instrumented(tracker, cpu_offload=False)]
             extra["activation_dtype"] = param_dtype
+        starts: list[tuple[str, int]] = []
+        iteration = [0]
+
+        def on_action(kind: str, stage: int, mb: int) -> None:
+            if kind == "step":
+                iteration[0] = mb
+            name = f"{kind}:{iteration[0]}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
+            starts.append((name, len(tracker._events)))
+
         pp_group = pp_mesh["pp"].get_group() if sharded else group
-        run_rank(inner, specs, schedule=schedule, microbatches=microbatches,
-                 micro_batch_size=workload.micro_batch_size, seq_len=workload.seq_len,
-                 optimizer=lambda ps: make_optimizer(ps, workload.optimizer), tracker=tracker,
-                 contexts=tuple(contexts), return_outputs=return_outputs, group=pp_group, fake_mode=fake_mode,
-                 modules=modules, **extra)
+        result = run_rank(inner, specs, schedule=schedule, microbatches=microbatches,
+                          micro_batch_size=workload.micro_batch_size, seq_len=workload.seq_len,
+                          optimizer=lambda ps: make_optimizer(ps, workload.optimizer), tracker=tracker,
+                          contexts=tuple(contexts), return_outputs=return_outputs, group=pp_group,
+                          fake_mode=fake_mode, modules=modules, on_action=on_action, **extra)
         if sharded and streams is not None:
             streams.update(tracker.stream_of)
-        return tracker.result()
+        if segments is not None:
+            # Positions among all recorded events -> among the device events the result keeps.
+            device = [tracker._records[idx].category is not MemoryCategory.HOST for _, idx in tracker._events]
+            before, k = [], 0
+            for on_device in device + [False]:
+                before.append(k)
+                k += on_device
+            segments.extend(_parts([(name, before[pos]) for name, pos in starts], result, tracker._records))
+        return result
 
     if not fake:
         return run(model.get_base_model() if hasattr(model, "get_base_model") else model, None, mesh)
@@ -177,6 +200,120 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
         inner = built.get_base_model() if hasattr(built, "get_base_model") else built
         with tracing(f"pipeline rank {rank} of {type(inner).__name__} ({schedule})"):
             return run(inner, fake_mode, fake_mesh)
+
+
+def _shortened(specs: list[StageSpec], depths: list[int]) -> list[StageSpec]:
+    """The same stages cut to their first ``depths`` decoder layers."""
+    return [StageSpec(sp.index, sp.num_stages, sp.start, sp.start + d) for sp, d in zip(specs, depths)]
+
+
+def _part(module: str) -> str:
+    """The stage part a module belongs to: "s3.layers.0.mlp" -> "layers"; "" outside the stages."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else pieces[0]
+
+
+def _parts(starts: list[tuple[str, int]], result: TraceResult, records: list[Any]) -> list[tuple[str, int]]:
+    """Each action segment cut where its allocations move to another stage part (embedding, decoder
+    layers, norm, head, or none): "B:0:3:1|layers#1", "B:0:3:1|embed_tokens#1". Within one part the live
+    bytes at its fullest moment are affine in depth; across parts they need not be (the first stage's
+    backward is fullest at its first layer when deep, at the embedding's gradient when shallow)."""
+    out = []
+    ends = [pos for _, pos in starts[1:]] + [len(result.events)]
+    for (name, start), end in zip(starts, ends):
+        seen: dict[str, int] = {}
+        current = None
+        for i in range(start, end):
+            sign, idx, _ = result.events[i]
+            if sign < 0:
+                continue
+            part = _part(records[idx].module)
+            if part != current:
+                seen[part] = seen.get(part, 0) + 1
+                out.append((f"{name}|{part}#{seen[part]}", start if current is None else i))
+                current = part
+        if current is None:
+            out.append((name, start))
+    return out
+
+
+def segment_peaks(trace: TraceResult, segments: list[tuple[str, int]]) -> dict[str, int]:
+    """Highest tensor bytes live within each segment of ``trace`` (from its start to the next one's)."""
+    bounds = [pos for _, pos in segments] + [len(trace.events)]
+    live, out = 0, {}
+    for sign, _, n in trace.events[:bounds[0]]:
+        live += sign * n
+    for k, (name, start) in enumerate(segments):
+        peak = live
+        for sign, _, n in trace.events[start:bounds[k + 1]]:
+            live += sign * n
+            peak = max(peak, live)
+        out[name] = max(out.get(name, 0), peak)
+    return out
+
+
+def _whole(peaks: dict[str, int]) -> dict[str, int]:
+    """Segment peaks merged back to whole actions."""
+    out: dict[str, int] = {}
+    for name, v in peaks.items():
+        key = name.split("|")[0]
+        out[key] = max(out.get(key, 0), v)
+    return out
+
+
+def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory, dict[str, int]], depth: int,
+                  capacity_bytes: int) -> RankMemory:
+    """A rank's numbers with its stages at ``depth`` decoder layers each, from traces with every stage at one
+    layer and at two (each with its :func:`segment_peaks`): each quantity affine in the depth.
+
+    The tensor peak is extrapolated segment by segment (each forward, each backward, what runs between
+    them, the step start and the optimizer step) and the largest wins: which segment holds the peak moves
+    with depth (a last stage's merged logits dominate shallow runs, its activations deep ones). The allocated peak adds the deeper
+    run's allocator overhead over its tensor peak (workspaces, which do not depend on depth), and is never
+    below the phase-by-phase extrapolation. The reserved peak is not affine in depth (which cached block a
+    request reuses depends on the whole stream); it takes the larger reserved/allocated ratio of the two runs.
+    """
+    (r1, s1), (r2, s2) = one, two
+    if s1.keys() != s2.keys():  # the parts ran in another order at two layers: compare whole actions
+        s1, s2 = (_whole(s) for s in (s1, s2))
+    assert s1.keys() == s2.keys(), "both depths run the same actions"
+
+    def affine(a: int, b: int) -> int:
+        return a + (b - a) * (depth - 1)
+
+    tensor = max(affine(s1[k], s2[k]) for k in s1)
+    phases = set(r1.phase_allocated) | set(r2.phase_allocated)
+    phase_allocated = {ph: affine(r1.phase_allocated.get(ph, 0), r2.phase_allocated.get(ph, 0)) for ph in phases}
+    allocated = max([tensor + r2.peak_allocated_bytes - r2.peak_tensor_bytes, *phase_allocated.values()])
+    ratio = max(r.peak_reserved_bytes / max(r.peak_allocated_bytes, 1) for r in (r1, r2))
+    reserved = max(round(allocated * ratio), allocated)
+    outside = r1.device_total_bytes - r1.peak_reserved_bytes  # context, NCCL: independent of depth
+    cats = set(r1.breakdown) | set(r2.breakdown)
+    return RankMemory(
+        rank=r1.rank,
+        peak_tensor_bytes=tensor,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=reserved + outside,
+        fits=reserved + outside <= capacity_bytes,
+        breakdown={c: affine(r1.breakdown.get(c, 0), r2.breakdown.get(c, 0)) for c in cats},
+        host_bytes=affine(r1.host_bytes, r2.host_bytes),
+        host_overheads=dict(r1.host_overheads),
+        phase_allocated=phase_allocated,
+    )
+
+
+def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
+                        micro_batch_size: int, seq_len: int) -> str:
+    """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
+    ``pipeline_parallel_degree``, ``pipeline_parallel_schedule`` (torch's schedule class name),
+    ``pipeline_parallel_microbatch_size``, ``data_parallel_shard_degree``; ``[training]``
+    ``local_batch_size``, whose division by the microbatch size is the microbatch count, and ``seq_len``).
+    torchtitan's default split is the one estimated (first and last stage one layer less)."""
+    return (f'[parallelism] pipeline_parallel_degree = {pipeline_degree}, pipeline_parallel_schedule = '
+            f'"{SCHEDULES[schedule]}", pipeline_parallel_microbatch_size = {micro_batch_size}, '
+            f'data_parallel_shard_degree = {dp_shard}; [training] local_batch_size = '
+            f'{microbatches * micro_batch_size}, seq_len = {seq_len}')
 
 
 def estimate(
@@ -195,6 +332,7 @@ def estimate(
     split: str | list[int] = "torchtitan",
     ranks: list[int] | None = None,
     return_outputs: bool = True,
+    fast: bool = False,
     **_: Any,
 ) -> MethodEstimate:
     """Per-rank memory of a pipeline-parallel training step on ``layout``.
@@ -215,6 +353,9 @@ def estimate(
         return_outputs: The schedule's ``step(return_outputs=...)``: torch's default True keeps the last
             stage's logits of every microbatch and concatenates them at the end of the step (torchtitan's
             ``forward_backward_step`` keeps the default, torchtitan/train.py at 000204a); False drops them.
+        fast: Trace each rank with its stages cut to one decoder layer and to two, and extrapolate every
+            quantity affinely to its deepest stage's depth (the schedule, its microbatches and buffers stay
+            whole); a rank whose stages all have at most two layers is traced in full.
 
     Raises:
         ConfigError: Bad degrees, microbatches or split.
@@ -286,9 +427,6 @@ def estimate(
             raise ConfigError(f"rank {r!r} is not a rank of the {layout.num_gpus} GPUs. HINT: pass ranks 0 to "
                               f"{layout.num_gpus - 1}")
         mine = stages(r // dp)
-        streams: dict[int, int] = {}
-        trace = trace_rank(model, wl, mine, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
-                           gpu=target, return_outputs=return_outputs, dp_shard=dp, streams=streams)
         neighbours = len({s + d for spec in mine for s, d in ((spec.index, -1), (spec.index, 1))
                           if 0 <= s + d < p * v and (s + d) not in {x.index for x in mine}})
         # ProcessGroupNCCL: a P2P batch of one kind runs on a 2-rank communicator per peer, a mixed batch
@@ -298,8 +436,26 @@ def estimate(
         if sizes not in overheads_of:
             overheads_of[sizes] = device_overheads(target.compute_capability, torch_version=torch_version,
                                                    uses_cublaslt=uses_cublaslt(probe), nccl_world_sizes=sizes)
-        rows.append(rank_memory(trace, rank=r, gpu=target, overheads=overheads_of[sizes], alloc_conf=config,
-                                streams=streams))
+
+        def row(specs_: list[StageSpec], r: int = r, sizes: tuple[int, ...] = sizes
+                ) -> tuple[RankMemory, dict[str, int]]:
+            streams: dict[int, int] = {}
+            segments: list[tuple[str, int]] = []
+            trace = trace_rank(model, wl, specs_, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
+                               gpu=target, return_outputs=return_outputs, dp_shard=dp, streams=streams,
+                               segments=segments)
+            return (rank_memory(trace, rank=r, gpu=target, overheads=overheads_of[sizes], alloc_conf=config,
+                                streams=streams), segment_peaks(trace, segments))
+
+        depths = [sp.stop - sp.start for sp in mine]
+        if fast and max(depths) > 2 and min(depths) >= 1:
+            # All of a rank's stages deepen together, to its deepest stage's count: a shallower stage is
+            # taken one layer deeper than it is (the safe side). Deepening one stage at a time and adding
+            # the deltas double-counts where the stages' peaks fall at different moments.
+            one, two = (row(_shortened(mine, [d] * len(mine))) for d in (1, 2))
+            rows.append(_extrapolated(one, two, max(depths), target.capacity_bytes))
+        else:
+            rows.append(row(mine)[0])
     counts = [s.stop - s.start for s in specs]
     inside = f", each stage FSDP2-sharded over {dp} ranks (reshard_after_forward=False)" if dp > 1 else ""
     notes = [f"torch.distributed.pipelining {SCHEDULES[schedule]}: {p} pipeline ranks x {v} stage(s){inside}, {m} "
@@ -307,6 +463,16 @@ def estimate(
              f"({split if isinstance(split, str) else 'given'}); step(return_outputs={return_outputs})",
              "chunks in flight at each pipeline rank's peak: " + ", ".join(
                  f"rank {r}: {len(flight[r // dp])}" for r in traced)]
+    # The interleaved schedules' stages per rank follow torchtitan's pipeline_parallel_layers_per_stage,
+    # which this section does not set: only the one-stage and V schedules are written out.
+    if split == "torchtitan" and (v == 1 or schedule in ("zbv", "dualpipev")):
+        notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, schedule=schedule,
+                                                          microbatches=m, micro_batch_size=wl.micro_batch_size,
+                                                          seq_len=wl.seq_len))
+    if fast:
+        notes.append("fast: each rank traced with its stages at 1 and 2 decoder layers (every microbatch), "
+                     "extrapolated to its deepest stage's depth; reserved approximate (the larger "
+                     "reserved/allocated ratio of the two)")
     hidden = int(base.config.hidden_size)
     act_dtype = wl.precision.autocast_dtype if dp > 1 and wl.precision.autocast_dtype else next(
         base.parameters()).dtype

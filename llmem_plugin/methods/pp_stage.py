@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import UnsupportedError
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase
+from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 
 __all__ = ["DecoderStage", "StageSpec", "run_rank", "stage_modules"]
 
@@ -173,7 +173,10 @@ def _phased(stage: Any, tracker: MemoryTracker, on_action: Callable[[str, int, i
             tracker.mark(f"{_kind}:{stage.stage_index}:{chunk_id}")  # TraceResult.marks: "F:0:3:forward"
             if on_action is not None:
                 on_action(_kind, stage.stage_index, chunk_id)
-            return _original(chunk_id, *args, **kwargs)
+            out = _original(chunk_id, *args, **kwargs)
+            if on_action is not None:
+                on_action(f"after-{_kind}", stage.stage_index, chunk_id)
+            return out
 
         setattr(stage, name, wrapped)
 
@@ -198,7 +201,7 @@ def run_rank(
     modules: list[nn.Module] | None = None,
     step: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
     activation_dtype: torch.dtype | None = None,
-) -> None:
+) -> TraceResult:
     """Run ``iterations`` training steps of this rank's ``specs`` stages under ``tracker``.
 
     Args:
@@ -210,7 +213,9 @@ def run_rank(
         group: The pipeline process group (the default group if None).
         fake_mode: The fake mode the model's tensors belong to (None: a real run).
         contexts: Entered inside the tracker around the steps (e.g. the CUDA emulation).
-        on_action: Called before every compute action with (kind, stage, microbatch).
+        on_action: Called before every compute action with (kind, stage, microbatch) and after it with
+            ("after-" + kind, stage, microbatch), and with ("step", -1, iteration) when a step starts and
+            ("optimizer", -1, iteration) when its optimizer step starts.
         return_outputs: ``step(return_outputs=...)``: torch's default True keeps every microbatch's logits
             on the last stage and concatenates them when the step returns.
         modules: The stages' modules already built (and wrapped, e.g. by ``fully_shard``); None builds
@@ -219,12 +224,15 @@ def run_rank(
             ``optimizer.step()``).
         activation_dtype: The dtype stages pass each other (default: the parameters'; FSDP2's mixed
             precision computes in its ``param_dtype``).
+
+    Returns:
+        The trace of the steps, read before the stages and the optimizer are released.
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     from llmem_plugin.methods.pp_schedule import SCHEDULES
-    from llmem_plugin.step import state_tensors
+    from llmem_plugin.step import host_resident_state, state_tensors
 
     modules = modules if modules is not None else stage_modules(model, specs)
     config = model.config
@@ -258,10 +266,14 @@ def run_rank(
         tracker.register([b for m in modules for b in m.buffers()], MemoryCategory.PARAMETER)
         for ctx in contexts:
             stack.enter_context(ctx)
+        # Each allocation is attributed to the stage part running it ("s3.layers.0.mlp"), for segmenting.
+        tracker.watch_modules(nn.ModuleDict({f"s{spec.index}": mod for spec, mod in zip(specs, modules)}))
         for stage in stages:
             _phased(stage, tracker, on_action)
-        for _ in range(iterations):
+        for it in range(iterations):
             tracker.set_phase(Phase.SETUP)
+            if on_action is not None:
+                on_action("step", -1, it)
             gen = torch.Generator().manual_seed(0) if fake_mode is None else None
             args, kwargs = (), {}
             batch = []
@@ -278,11 +290,17 @@ def run_rank(
             del args, kwargs, batch
             tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
             tracker.set_phase(Phase.OPTIMIZER)
+            if on_action is not None:
+                on_action("optimizer", -1, it)
             if step is None:
                 opt.step()
                 stepped = opt
             else:
                 stepped = step(opt)
             tracker.label(state_tensors(stepped), MemoryCategory.OPTIMIZER_STATE)
+            tracker.label(host_resident_state(stepped), MemoryCategory.HOST)  # AdamW's step counters on CUDA
             opt.zero_grad(set_to_none=True)
         tracker.set_phase(Phase.SETUP)
+        # Read while the stages, the schedule and the optimizer are alive: what they hold is freed when they
+        # go, by reference counts or, for torch's cyclic stage structures, whenever the cyclic GC runs.
+        return tracker.result()

@@ -138,8 +138,7 @@ FSDP_WL = dataclasses.replace(WL, precision="bf16-mixed")
 
 def test_fsdp_inside_stages_equals_a_real_gloo_run(tmp_path):
     """Pipeline 4 x FSDP2 2 (torchtitan's composition, mixed precision through FSDP2's policy) on 8 real
-    gloo processes: every rank's stream equals its fake trace, up to the frees after the last step (the
-    real run's optimizer goes out of scope before its trace is read)."""
+    gloo processes: every rank's stream equals its fake trace."""
     run_gloo(tmp_path, _FSDP_WORKER, world=P * DP, timeout=900, env={"OUT": str(tmp_path)})
     specs = stage_specs(8, P)
     for rank in range(P * DP):
@@ -148,8 +147,7 @@ def test_fsdp_inside_stages_equals_a_real_gloo_run(tmp_path):
                           microbatches=M, gpu=H100, dp_shard=DP)
         events = [[s, n] for s, _, n in fake.events]
         assert fake.peak_bytes == real["peak"], rank
-        assert real["events"][:len(events)] == events, rank
-        assert all(s < 0 for s, _ in real["events"][len(events):]), rank
+        assert real["events"] == events, rank
 
 
 def _live_before_first_backward(schedule, m):
@@ -186,6 +184,10 @@ def test_estimate_reports_every_rank_and_the_worst():
     assert est.worst.device_total_bytes == max(r.device_total_bytes for r in est.ranks)
     assert all(r.peak_allocated_bytes >= r.peak_tensor_bytes for r in est.ranks)
     assert "rank 0: 4" in est.notes[1] and "rank 3: 1" in est.notes[1]
+    # torchtitan's keys for the same job (torchtitan/config/job_config.py)
+    assert est.notes[2] == ('torchtitan: [parallelism] pipeline_parallel_degree = 4, pipeline_parallel_schedule = '
+                            '"1F1B", pipeline_parallel_microbatch_size = 2, data_parallel_shard_degree = 1; '
+                            '[training] local_batch_size = 16, seq_len = 16')
 
 
 def test_fsdp_inside_stages_is_reported_per_pipeline_rank():
@@ -223,3 +225,27 @@ def test_workload_refusals(change, match):
     wl = dataclasses.replace(WL, **change)
     with pytest.raises((ConfigError, UnsupportedError), match=match):
         estimate_method("pp", _config(), wl, layout=Layout(num_gpus=4), gpu=H100)
+
+
+@pytest.mark.parametrize("schedule,layers,split", [
+    ("1f1b", 14, [4, 4, 3, 3]),
+    ("interleaved-1f1b", 25, [3, 3, 3, 4, 3, 3, 3, 3]),  # rank 3 holds stages 3 (4 layers) and 7 (3)
+])
+def test_fast_extrapolates_each_rank_over_its_stage_depth(schedule, layers, split):
+    """Fast mode traces each rank's stages at 1 and 2 layers and extrapolates: equal to the full trace where
+    a rank's stages are equally deep (tensor bytes to a 512-byte block, the allocator's replay within 0.05%);
+    where they
+    differ, the shallower one is taken as deep as the other, so it is above, never below."""
+    cfg = tiny_config("llama", num_hidden_layers=layers)
+    wl = dataclasses.replace(WL, seq_len=32, precision="bf16")
+    full, fast = (estimate_method(f"pp{'' if schedule == '1f1b' else '-interleaved'}", cfg, wl,
+                                  layout=Layout(num_gpus=P), gpu=H100, microbatches=M, split=split, fast=f)
+                  for f in (False, True))
+    assert "fast:" in fast.notes[-1]
+    for a, b in zip(full.ranks, fast.ranks):
+        equal = len({split[s] for s in stages_of_rank(schedule, P, a.rank, V_OF[schedule])}) == 1
+        if equal:  # a 512-byte block of rounding may fall either way
+            assert abs(b.peak_tensor_bytes - a.peak_tensor_bytes) <= 512, a.rank
+            assert abs(b.peak_allocated_bytes / a.peak_allocated_bytes - 1) < 5e-4, a.rank
+        else:
+            assert b.peak_tensor_bytes > a.peak_tensor_bytes and b.peak_allocated_bytes > a.peak_allocated_bytes
