@@ -400,6 +400,12 @@ def estimate(
         raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}. HINT: pick one")
     v = stages_per_rank if stages_per_rank is not None else _DEFAULT_STAGES_PER_RANK[schedule]
     m = microbatches if microbatches is not None else p
+    if stages_per_rank is not None and schedule in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError(f"--method {preset} runs one stage per rank, got --stages-per-rank {v}. HINT: use --method "
+                          "pp-interleaved or pp-interleaved-zb for several")
+    if stages_per_rank is not None and schedule in ("zbv", "dualpipev") and v != 2:
+        raise ConfigError(f"--method {preset} runs two stages per rank (a V), got --stages-per-rank {v}. HINT: pass "
+                          "--stages-per-rank 2 or leave it out")
     flight = in_flight(schedule, p, m, v)  # also the schedule's own checks (degrees, placement, microbatches)
     target = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)

@@ -110,7 +110,7 @@ def rank_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Chunk]]
         schedule_ops = get_schedule_ops(SCHEDULES[schedule], p, m, num_stages_per_rank=None if v == 1 else v)
     except ValueError as e:  # the schedule's own check (DualPipeV: at least as many microbatches as stages)
         raise ConfigError(f"{schedule} with {p} ranks, {m} microbatches and {v} stages per rank: "
-                          f"{' '.join(str(e).split())}. HINT: pass more microbatches") from None
+                          f"{' '.join(str(e).split()).rstrip('.')}. HINT: pass more microbatches") from None
     ranks = []
     for ops in schedule_ops:
         actions = []

@@ -249,32 +249,12 @@ _WORKER = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-    from llmem_plugin import _pause, modelbuild
+    from llmem_plugin import modelbuild
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.methods import _local_step, fsdp
     from llmem_plugin.workload import LoraSpec, Workload
     from tests.conftest import tiny_config
-
-    # gloo runs collectives on its own threads, which drop their references
-    # to the tensors when they like, and its reduce_scatter stages a copy of
-    # the whole input. NCCL allocates nothing of the kind (and the fake group
-    # nothing at all), so gloo works on untracked copies here: the step's own
-    # tensors are freed when FSDP drops them, deterministically.
-    class GlooAllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            with _pause.untracked():
-                out, inp = output_tensor.clone(), input_tensor.clone()
-                super().__call__(out, inp, group, async_op=False)
-                output_tensor.copy_(out)
-
-    class GlooReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            with _pause.untracked():
-                out, inp = output_tensor.clone(), input_tensor.clone()
-                super().__call__(out, inp, group, op, async_op=False)
-                output_tensor.copy_(out)
+    from tests.methods._gloo_fsdp import use_gloo_collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -289,10 +269,7 @@ _WORKER = textwrap.dedent("""
         model = modelbuild.build_model(cfg, wl, device="cpu")
         fsdp._apply_fsdp(model, mesh, reshard_after_forward=True, param_dtype=fsdp._param_dtype(wl, None),
                          cpu_offload=False)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_custom_all_gather(GlooAllGather())
-                m.set_custom_reduce_scatter(GlooReduceScatter())
+        use_gloo_collectives(model)  # untracked copies (tests/methods/_gloo_fsdp.py)
         r, _ = fsdp._trace_fsdp_step(model, wl, vocab_size=cfg.vocab_size,
                                      compute_capability=gpu.compute_capability, num_sms=gpu.num_sms)
         print(json.dumps({"peak": r.peak_bytes, "breakdown": {c.value: v for c, v in r.breakdown.items()},

@@ -89,36 +89,12 @@ _FSDP_WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-    from llmem_plugin import _pause, modelbuild
+    from llmem_plugin import modelbuild
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.methods.pp import pipeline_mesh, stage_specs, trace_rank
     from llmem_plugin.methods.pp_schedule import stages_of_rank
+    from tests.methods._gloo_fsdp import use_gloo_collectives
     from tests.methods.test_pp import FSDP_WL, P, M, DP, _config
-
-    # As in test_fsdp: gloo's collectives work on untracked copies (its threads hold and stage tensors
-    # that NCCL and the fake group do not).
-    class GlooAllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            with _pause.untracked():
-                out, inp = output_tensor.clone(), input_tensor.clone()
-                super().__call__(out, inp, group, async_op=False)
-                output_tensor.copy_(out)
-
-    class GlooReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            with _pause.untracked():
-                out, inp = output_tensor.clone(), input_tensor.clone()
-                super().__call__(out, inp, group, op, async_op=False)
-                output_tensor.copy_(out)
-
-    def prepare(modules):
-        for mod in modules:
-            for m in mod.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_custom_all_gather(GlooAllGather())
-                    m.set_custom_reduce_scatter(GlooReduceScatter())
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -128,7 +104,8 @@ _FSDP_WORKER = textwrap.dedent("""
     torch.manual_seed(0)
     model = modelbuild.build_model(_config(), FSDP_WL, device="cpu")
     t = trace_rank(model, FSDP_WL, [specs[rank // DP]], rank=rank, pipeline_degree=P, schedule="1f1b",
-                   microbatches=M, gpu=get_gpu("h100-sxm"), fake=False, dp_shard=DP, mesh=mesh, prepare=prepare)
+                   microbatches=M, gpu=get_gpu("h100-sxm"), fake=False, dp_shard=DP, mesh=mesh,
+                   prepare=lambda modules: use_gloo_collectives(*modules))
     with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:  # too long for a stdout pipe
         json.dump({"peak": t.peak_bytes, "events": [[s, n] for s, _, n in t.events]}, f)
 """)
