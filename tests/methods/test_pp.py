@@ -30,6 +30,15 @@ def _config():
     return tiny_config("llama", num_hidden_layers=8)
 
 
+# The real runs: every schedule, and 1F1B with activation checkpointing (transformers' per-layer checkpoint).
+CASES = [*V_OF, "1f1b+checkpointing"]
+
+
+def _case(name: str):
+    schedule, _, extra = name.partition("+")
+    return schedule, dataclasses.replace(WL, grad_checkpointing=extra == "checkpointing")
+
+
 def _digest(trace) -> str:
     return hashlib.sha256(json.dumps([(s, n) for s, _, n in trace.events]).encode()).hexdigest()
 
@@ -43,20 +52,21 @@ _WORKER = textwrap.dedent("""
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.methods.pp import stage_specs, trace_rank
     from llmem_plugin.methods.pp_schedule import stages_of_rank
-    from tests.methods.test_pp import WL, P, M, V_OF, _config
+    from tests.methods.test_pp import P, M, V_OF, _case, _config
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = {}
-    for schedule in os.environ["SCHEDULES"].split(","):
+    for case in os.environ["SCHEDULES"].split(","):
+        schedule, wl = _case(case)
         v = V_OF[schedule]
         specs = stage_specs(8, P * v)
         mine = [specs[s] for s in sorted(stages_of_rank(schedule, P, rank, v))]
         torch.manual_seed(0)
-        model = modelbuild.build_model(_config(), WL, device="cpu")
-        t = trace_rank(model, WL, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
+        model = modelbuild.build_model(_config(), wl, device="cpu")
+        t = trace_rank(model, wl, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
                        gpu=get_gpu("h100-sxm"), fake=False)
-        out[schedule] = {"peak": t.peak_bytes, "phase": t.peak_phase.value,
+        out[case] = {"peak": t.peak_bytes, "phase": t.peak_phase.value,
                          "events": hashlib.sha256(json.dumps([(s, n) for s, _, n in t.events]).encode()).hexdigest()}
         dist.barrier()
     print(json.dumps(out))
@@ -67,21 +77,22 @@ _WORKER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory):
     outs = run_gloo(tmp_path_factory.mktemp("pp"), _WORKER, world=P, timeout=900,
-                    env={"SCHEDULES": ",".join(V_OF)})
+                    env={"SCHEDULES": ",".join(CASES)})
     return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
-@pytest.mark.parametrize("schedule", list(V_OF))
-def test_every_rank_equals_a_real_gloo_run(gloo_runs, schedule):
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_equals_a_real_gloo_run(gloo_runs, case):
+    schedule, wl = _case(case)
     v = V_OF[schedule]
     specs = stage_specs(8, P * v)
     for rank in range(P):
         mine = [specs[s] for s in sorted(stages_of_rank(schedule, P, rank, v))]
-        fake = trace_rank(_config(), WL, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
+        fake = trace_rank(_config(), wl, mine, rank=rank, pipeline_degree=P, schedule=schedule, microbatches=M,
                           gpu=H100)
-        real = gloo_runs[rank][schedule]
-        assert (fake.peak_bytes, fake.peak_phase.value) == (real["peak"], real["phase"]), (schedule, rank)
-        assert _digest(fake) == real["events"], (schedule, rank)  # every allocation and free, in order
+        real = gloo_runs[rank][case]
+        assert (fake.peak_bytes, fake.peak_phase.value) == (real["peak"], real["phase"]), (case, rank)
+        assert _digest(fake) == real["events"], (case, rank)  # every allocation and free, in order
 
 
 _FSDP_WORKER = textwrap.dedent("""
