@@ -39,9 +39,9 @@ from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.methods.pp_schedule import SCHEDULES, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
-from llmem_plugin.methods.pp_stage import StageSpec, run_rank, stage_modules
+from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
-from llmem_plugin.workload import LossImpl, OptimizerKind, Workload
+from llmem_plugin.workload import AttentionImpl, LossImpl, OptimizerKind, Runner, Workload
 
 __all__ = ["PRESETS", "estimate", "pipeline_mesh", "segment_peaks", "shard_stage", "stage_specs", "torchtitan_sections",
            "trace_rank"]
@@ -54,6 +54,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "pp-dualpipev": {"schedule": "dualpipev"},
     "pp-interleaved-zb": {"schedule": "interleaved-zb"},
 }
+# Schedules that split each backward into input and weight gradients (torch.autograd.grad over parts of
+# the graph), or overlap forward and backward.
+_SPLIT_BACKWARD = ("zbv", "dualpipev", "interleaved-zb")
 # Stages per rank when not given: the V schedules place two; the interleaved ones take two as the default.
 _DEFAULT_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2,
                             "interleaved-zb": 2}
@@ -78,6 +81,11 @@ def stage_specs(num_layers: int, num_stages: int, *, split: str | list[int] = "t
                 isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
             raise ConfigError(f"layers per stage {counts} must be {num_stages} non-negative counts summing to the "
                               f"model's {num_layers} layers. HINT: give one count per stage")
+        if any(c == 0 for c in counts[1:-1]):
+            # Only the first and last stages hold other weights (embedding, head); an empty middle stage has
+            # nothing to train (torchtitan refuses it too).
+            raise ConfigError(f"layers per stage {counts}: a middle stage without decoder layers holds no "
+                              "parameters. HINT: give every middle stage at least one layer")
     specs, start = [], 0
     for i, c in enumerate(counts):
         specs.append(StageSpec(i, num_stages, start, start + c))
@@ -262,7 +270,7 @@ def _whole(peaks: dict[str, int]) -> dict[str, int]:
 
 
 def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory, dict[str, int]], depth: int,
-                  capacity_bytes: int) -> RankMemory:
+                  capacity_bytes: int) -> RankMemory | None:
     """A rank's numbers with its stages at ``depth`` decoder layers each, from traces with every stage at one
     layer and at two (each with its :func:`segment_peaks`): each quantity affine in the depth.
 
@@ -272,11 +280,13 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
     run's allocator overhead over its tensor peak (workspaces, which do not depend on depth), and is never
     below the phase-by-phase extrapolation. The reserved peak is not affine in depth (which cached block a
     request reuses depends on the whole stream); it takes the larger reserved/allocated ratio of the two runs.
+    None where the two runs' actions differ (then the rank is traced in full).
     """
     (r1, s1), (r2, s2) = one, two
     if s1.keys() != s2.keys():  # the parts ran in another order at two layers: compare whole actions
         s1, s2 = (_whole(s) for s in (s1, s2))
-    assert s1.keys() == s2.keys(), "both depths run the same actions"
+    if s1.keys() != s2.keys():
+        return None
 
     def affine(a: int, b: int) -> int:
         return a + (b - a) * (depth - 1)
@@ -380,7 +390,20 @@ def estimate(
     if wl.grad_accum_steps != 1:
         raise ConfigError(f"--method {preset} accumulates over its microbatches; --grad-accum "
                           f"{wl.grad_accum_steps} is not used. HINT: pass --microbatches instead")
-    refused = [(wl.packed_docs is not None, "--packed-docs", "drop --packed-docs"),
+    refused = [(wl.runner is not Runner.TORCH, f"--runner {wl.runner.value}",
+                "pass --runner torch: the pipeline schedule is the loop"),
+               (wl.attn_implementation not in (AttentionImpl.AUTO, AttentionImpl.SDPA),
+                f"--attn {wl.attn_implementation.value}", "use --attn sdpa: the stages run causal attention "
+                "with no mask tensor, which only the SDPA kernels take as causal"),
+               (wl.logits_to_keep != 0, "--logits-to-keep", "drop it"),
+               (wl.outputs_to_fp32, "outputs cast to fp32", "drop it"),
+               (wl.load != "direct", f"--load {wl.load}", "drop it"),
+               (fast and wl.checkpoint_every != 1, "--fast and --checkpoint-every",
+                "drop --fast (which layers are checkpointed depends on their index in the model)"),
+               (wl.grad_checkpointing and wl.checkpoint_reentrant and schedule in _SPLIT_BACKWARD,
+                "reentrant checkpointing", "use non-reentrant checkpointing: zero-bubble schedules split the "
+                "backward, which reentrant checkpointing cannot"),
+               (wl.packed_docs is not None, "--packed-docs", "drop --packed-docs"),
                (wl.lora is not None, "LoRA", "estimate full fine-tuning, or LoRA with another method"),
                (wl.quantize is not None, "quantized base weights", "use another method for QLoRA"),
                (wl.loss is not LossImpl.HF, f"--loss {wl.loss.value}", "use the default loss"),
@@ -406,11 +429,22 @@ def estimate(
     if stages_per_rank is not None and schedule in ("zbv", "dualpipev") and v != 2:
         raise ConfigError(f"--method {preset} runs two stages per rank (a V), got --stages-per-rank {v}. HINT: pass "
                           "--stages-per-rank 2 or leave it out")
+    if schedule == "1f1b" and isinstance(m, int) and 0 < m < p:
+        # torch's Schedule1F1B.__init__: "Number of microbatches must be greater than or equal to the number
+        # of stages".
+        raise ConfigError(f"--method {preset} needs at least as many microbatches as pipeline stages ({p}), got "
+                          f"--microbatches {m}. HINT: pass --microbatches {p} or more")
+    from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
+
+    if isinstance(m, int) and m > MAX_TRACED_MICRO_STEPS:
+        raise UnsupportedError(f"--method {preset} traces every microbatch, and --microbatches {m} is above "
+                               f"{MAX_TRACED_MICRO_STEPS}. HINT: estimate {MAX_TRACED_MICRO_STEPS} or fewer")
     flight = in_flight(schedule, p, m, v)  # also the schedule's own checks (degrees, placement, microbatches)
     target = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     probe = modelbuild.build_model(model, wl, device="meta")
     base = probe.get_base_model() if hasattr(probe, "get_base_model") else probe
+    check_model(base.config, wl.seq_len)
     num_layers = modelbuild.num_layers(base.config)
     specs = stage_specs(num_layers, p * v, split=split)
 
@@ -433,9 +467,10 @@ def estimate(
             raise ConfigError(f"rank {r!r} is not a rank of the {layout.num_gpus} GPUs. HINT: pass ranks 0 to "
                               f"{layout.num_gpus - 1}")
         mine = stages(r // dp)
-        neighbours = len({s + d for spec in mine for s, d in ((spec.index, -1), (spec.index, 1))
-                          if 0 <= s + d < p * v and (s + d) not in {x.index for x in mine}})
-        # ProcessGroupNCCL: a P2P batch of one kind runs on a 2-rank communicator per peer, a mixed batch
+        stage_rank = {st: pr for pr in range(p) for st in stages_of_rank(schedule, p, pr, v)}
+        neighbours = len({stage_rank[sp.index + d] for sp in mine for d in (-1, 1)
+                          if 0 <= sp.index + d < p * v} - {r // dp})
+        # ProcessGroupNCCL: a P2P batch of one kind runs on a 2-rank communicator per peer rank, a mixed batch
         # on the pipeline group's (torch/distributed/pipelining/schedules.py, _warmup_p2p's note); FSDP2
         # gathers and reduces over the data-parallel group.
         sizes = (2,) * neighbours + (p,) + ((dp,) if dp > 1 else ())
@@ -459,7 +494,8 @@ def estimate(
             # taken one layer deeper than it is (the safe side). Deepening one stage at a time and adding
             # the deltas double-counts where the stages' peaks fall at different moments.
             one, two = (row(_shortened(mine, [d] * len(mine))) for d in (1, 2))
-            rows.append(_extrapolated(one, two, max(depths), target.capacity_bytes))
+            extrapolated = _extrapolated(one, two, max(depths), target.capacity_bytes)
+            rows.append(extrapolated if extrapolated is not None else row(mine)[0])
         else:
             rows.append(row(mine)[0])
     counts = [s.stop - s.start for s in specs]

@@ -36,7 +36,7 @@ from torch import nn
 from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 
-__all__ = ["DecoderStage", "StageSpec", "run_rank", "stage_modules"]
+__all__ = ["PIPELINE_MODEL_TYPES", "DecoderStage", "StageSpec", "check_model", "run_rank", "stage_modules"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,39 @@ class StageSpec:
     @property
     def last(self) -> bool:
         return self.index == self.num_stages - 1
+
+
+# Architectures whose decoder layers :class:`DecoderStage` calls as their model does: rotary embeddings
+# from the model's rotary module, causal attention with no mask tensor, logits straight from the head.
+# Checked for Llama against the model's own forward (tests/methods/test_pp.py); the others share its
+# decoder code in transformers (Qwen2/Qwen3 add biases or q/k norms inside the layer, Mistral a sliding
+# window, refused below where it applies).
+PIPELINE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def check_model(config: Any, seq_len: int) -> None:
+    """Refuse what :class:`DecoderStage` would run differently from the model.
+
+    Raises:
+        UnsupportedError: Another architecture, a sliding window shorter than the sequence (the model
+            builds a sliding mask the stage does not), or logit soft-capping (the model's extra ops on the
+            logits).
+    """
+    model_type = getattr(config, "model_type", None)
+    why = None
+    if model_type not in PIPELINE_MODEL_TYPES:
+        why = f"model type {model_type!r} is not one of {', '.join(PIPELINE_MODEL_TYPES)}"
+    else:
+        window = getattr(config, "sliding_window", None)
+        on = getattr(config, "use_sliding_window", True) or "sliding_attention" in (
+            getattr(config, "layer_types", None) or ())
+        if window is not None and on and window < seq_len:
+            why = f"its sliding window ({window}) is shorter than --seq-len {seq_len}"
+        elif any(getattr(config, k, None) for k in ("final_logit_softcapping", "attn_logit_softcapping")):
+            why = "it soft-caps its logits"
+    if why:
+        raise UnsupportedError(f"pipeline stages are not modelled for this model: {why}. HINT: estimate it with a "
+                               "method without pipeline parallelism")
 
 
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
