@@ -37,7 +37,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.methods.pp_schedule import SCHEDULES, in_flight, stages_of_rank
+from llmem_plugin.methods.pp_schedule import SCHEDULES, SINGLE_STAGE, V_SHAPED, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
 from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
@@ -423,10 +423,10 @@ def estimate(
         raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}. HINT: pick one")
     v = stages_per_rank if stages_per_rank is not None else _DEFAULT_STAGES_PER_RANK[schedule]
     m = microbatches if microbatches is not None else p
-    if stages_per_rank is not None and schedule in ("gpipe", "1f1b") and v != 1:
+    if stages_per_rank is not None and schedule in SINGLE_STAGE and v != 1:
         raise ConfigError(f"--method {preset} runs one stage per rank, got --stages-per-rank {v}. HINT: use --method "
                           "pp-interleaved or pp-interleaved-zb for several")
-    if stages_per_rank is not None and schedule in ("zbv", "dualpipev") and v != 2:
+    if stages_per_rank is not None and schedule in V_SHAPED and v != 2:
         raise ConfigError(f"--method {preset} runs two stages per rank (a V), got --stages-per-rank {v}. HINT: pass "
                           "--stages-per-rank 2 or leave it out")
     if schedule == "1f1b" and isinstance(m, int) and 0 < m < p:
@@ -507,7 +507,7 @@ def estimate(
                  f"rank {r}: {len(flight[r // dp])}" for r in traced)]
     # The interleaved schedules' stages per rank follow torchtitan's pipeline_parallel_layers_per_stage,
     # which this section does not set: only the one-stage and V schedules are written out.
-    if split == "torchtitan" and (v == 1 or schedule in ("zbv", "dualpipev")):
+    if split == "torchtitan" and (v == 1 or schedule in V_SHAPED):
         notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, schedule=schedule,
                                                           microbatches=m, micro_batch_size=wl.micro_batch_size,
                                                           seq_len=wl.seq_len))

@@ -29,14 +29,14 @@ import dataclasses
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["SCHEDULES", "Chunk", "in_flight", "rank_actions", "stages_of_rank"]
+__all__ = ["SCHEDULES", "SINGLE_STAGE", "V_SHAPED", "Chunk", "in_flight", "rank_actions", "stages_of_rank"]
 
 # llmem's names -> torch's (torch.distributed.pipelining.schedules.get_schedule_class)
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
              "dualpipev": "DualPipeV", "interleaved-zb": "InterleavedZeroBubble"}
 # One stage per rank (PipelineScheduleSingle); the V schedules place two stages per rank, r and 2p - 1 - r.
-_SINGLE = ("gpipe", "1f1b")
-_V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -55,10 +55,10 @@ def _check(schedule: str, p: int, m: int, v: int) -> None:
     for name, value, low in (("pipeline degree", p, 2), ("microbatches", m, 1), ("stages per rank", v, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    if schedule in _SINGLE and v != 1:
+    if schedule in SINGLE_STAGE and v != 1:
         raise ConfigError(f"{schedule} runs one stage per rank, got {v}. HINT: use interleaved-1f1b or "
                           "interleaved-zb for several")
-    if schedule in _V_SHAPED and v != 2:
+    if schedule in V_SHAPED and v != 2:
         raise ConfigError(f"{schedule} runs two stages per rank (a V), got {v}. HINT: pass 2 stages per rank")
 
 
@@ -66,7 +66,7 @@ def stages_of_rank(schedule: str, p: int, rank: int, v: int = 1) -> list[int]:
     """The global stages ``rank`` holds: ``rank + k * p`` (loop placement), or ``rank`` and ``2p - 1 - rank``
     for the V schedules (``_utils.generate_stage_to_rank_mapping``, style "v")."""
     _check(schedule, p, 1, v)
-    if schedule in _V_SHAPED:
+    if schedule in V_SHAPED:
         return [rank, 2 * p - 1 - rank]
     return list(range(rank, p * v, p))
 
