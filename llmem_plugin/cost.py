@@ -9,7 +9,11 @@ the gradient/parameter communication of the method, and the optimizer step
     exposed   = max(0, comm - the compute it can hide behind)
     optimizer = bytes the update touches / HBM bandwidth   (on the GPU)
     offload   = PCIe transfers + host update over host memory bandwidth
-    step      = compute + exposed + optimizer + offload
+    bubble    = compute * (p - 1) / (v * m)   (pipeline parallel: p ranks, v stages
+                per rank, m microbatches; Narayanan et al., SC'21, "Efficient
+                Large-Scale Language Model Training on GPU Clusters Using
+                Megatron-LM", sections 2.2.1-2.2.2)
+    step      = compute + exposed + optimizer + offload + bubble
 
 FLOPs are counted on the traced step itself (:class:`StepFlopCounter`):
 ``torch.utils.flop_counter``'s formulas for every matmul the model runs,
@@ -78,6 +82,7 @@ __all__ = [
     "optimizer_bytes_per_element",
     "pcie_gbps",
     "peak_flops",
+    "pipeline_bubble_s",
     "step_time",
 ]
 
@@ -274,14 +279,16 @@ class StepTime:
     exposed_comm_s: float
     optimizer_s: float
     offload_s: float
+    bubble_s: float = 0.0  # pipeline ranks idle while the schedule fills and drains
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.offload_s
+        return self.compute_s + self.exposed_comm_s + self.optimizer_s + self.offload_s + self.bubble_s
 
     def to_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s,
-                "optimizer_s": self.optimizer_s, "offload_s": self.offload_s, "total_s": self.total_s}
+                "optimizer_s": self.optimizer_s, "offload_s": self.offload_s, "bubble_s": self.bubble_s,
+                "total_s": self.total_s}
 
 
 def step_time(
@@ -314,3 +321,9 @@ def flops_of_step(trace_flops: dict[str, float], iterations: int, micro_steps: i
     n = max(iterations * micro_steps, 1)
     return FlopCount(forward=trace_flops.get("forward", 0.0) / n, backward=trace_flops.get("backward", 0.0) / n)
 
+
+def pipeline_bubble_s(compute_s: float, *, degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle time of a pipeline rank per step: ``compute * (p - 1) / (v * m)`` (Narayanan et al., SC'21,
+    sections 2.2.1 and 2.2.2: GPipe and 1F1B leave ``p - 1`` microbatch slots idle while the pipeline
+    fills and drains; interleaving ``v`` stages per rank shrinks each slot ``v`` times)."""
+    return compute_s * (degree - 1) / (stages_per_rank * microbatches)

@@ -45,6 +45,7 @@ from llmem_plugin.cost import (
     StepTime,
     StepWork,
     flops_of_step,
+    pipeline_bubble_s,
     step_time,
 )
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
@@ -108,7 +109,17 @@ _TRAITS: dict[str, _Traits] = {
     "fsdp-tp": _Traits(True, True, Overlap.NONE, "dp", "dp"),
     "hybrid": _Traits(True, True, Overlap.NONE, "none", "none"),
     "hybrid-zero1": _Traits(True, True, Overlap.NONE, "dp", "none"),
+    # torch pipelining, FSDP2 inside each stage over the rest (torchtitan): every GPU holds 1/num_gpus of
+    # the parameters and states; FSDP2 gathers once per step and reduces once (reshard_after_forward=False,
+    # no sync until the last microbatch), prefetched behind compute.
+    "pp": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
+    "pp-interleaved": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
 }
+# Pipeline methods: their schedule and stages per rank. Each candidate runs microbatches of one row
+# (torchtitan's default pipeline_parallel_microbatch_size = 1): for a given rank's share of the batch, one
+# row per microbatch has the fewest microbatches in flight and the most microbatches (the smallest bubble);
+# the receive buffers, m of one row each, hold the same bytes at any split.
+_PP = {"pp": ("1f1b", 1), "pp-interleaved": ("interleaved-1f1b", 2)}
 # Planner names that run a registry method with options.
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-offload": ("fsdp", {"cpu_offload": True}),
@@ -155,6 +166,8 @@ class Candidate:
         host_limit_bytes: The node's host RAM less the margin (0: not checked).
         host_fits: ``host_bytes_per_node <= host_limit_bytes``; ``fits``
             holds only when this does too.
+        pp: Pipeline degree (pipeline methods; ``grad_accum`` is then the
+            schedule's microbatch count and ``micro_batch`` a microbatch's rows).
     """
 
     method: str
@@ -175,6 +188,7 @@ class Candidate:
     host_bytes_per_node: int = 0
     host_limit_bytes: int = 0
     host_fits: bool = True
+    pp: int = 1
 
     @property
     def headroom_bytes(self) -> int:
@@ -186,17 +200,20 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return (self.method, self.tp, self.micro_batch, self.grad_checkpointing)
+        return (self.method, self.tp, self.pp, self.micro_batch, self.grad_checkpointing)
 
     def label(self) -> str:
         tp = f" tp{self.tp}" if self.tp > 1 else ""
         gc = " +ckpt" if self.grad_checkpointing else ""
+        if self.pp > 1:  # grad_accum is the pipeline's microbatch count
+            return f"{self.method}{self.pp}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
         return f"{self.method}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "tp": self.tp,
+            "pp": self.pp,
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
             "grad_checkpointing": self.grad_checkpointing,
@@ -414,6 +431,7 @@ class _Profiles:
 class _Config:
     method: str
     tp: int
+    pp: int = 1
 
 
 @dataclass
@@ -458,12 +476,22 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
     t = _TRAITS[cfg.method]
     p_bytes = 4 if wl.precision is Precision.FP32 else 2
     held = 0 if t.param_shard == "host" else params * p_bytes // _shard(t.param_shard, layout, cfg.tp)
+    if cfg.pp > 1:
+        # A pipeline rank's stage keeps its parameters whole and their gradients unreduced through the step:
+        # FSDP2 inside it neither reshards after forward (torchtitan: not under pipelining) nor reduces
+        # until the last microbatch (the schedule's requires_gradient_sync(False)); without FSDP2 the stage
+        # holds them anyway. Its stage is at least 1/p of the parameters.
+        held = 2 * params * p_bytes // cfg.pp
     states = 0 if t.offload else trainable * _state_bytes_per_element(wl) // _shard(t.state_shard, layout, cfg.tp)
     return held + states
 
 
 def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
                    fast: bool) -> MethodEstimate:
+    if cfg.pp > 1:  # the workload's accumulation is the schedule's microbatch count
+        wl1 = dataclasses.replace(wl, grad_accum_steps=1)
+        return estimate_method(cfg.method, model, wl1, layout=layout, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
+                               pipeline_degree=cfg.pp, microbatches=wl.grad_accum_steps)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
     lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
     return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
@@ -616,6 +644,58 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     )
 
 
+def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_intra: float, fsdp_cross: float
+             ) -> tuple[StepTime, int]:
+    """A pipeline candidate's step time: each rank computes its stage for its data-parallel share (one-row
+    microbatches), idles for the schedule's bubble (:func:`llmem_plugin.cost.pipeline_bubble_s`), waits
+    for each microbatch's activations and input gradients from its neighbours (P2P on the critical path:
+    not hidden), and overlaps FSDP2's one gather and one reduction per step with compute."""
+    schedule, v = _PP[cfg.method]
+    m = _pipeline_microbatches(ctx, cfg, None)
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
+    work = StepWork(flops=profiles.flops(1, gc).scaled(m / cfg.pp), micro_steps=1, intra_only_bytes=round(fsdp_intra),
+                    cross_node_bytes=round(fsdp_cross), overlap=Overlap.FORWARD_BACKWARD,
+                    optimizer_elements=ctx.trainable // ctx.layout.num_gpus, gpus_per_node=ctx.layout.gpus_per_node)
+    st = step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
+                   network=ctx.network, efficiency=ctx.efficiency)
+    # Pipeline neighbours are dp ranks apart (torchtitan's mesh, pipeline outermost): on another node once
+    # the data-parallel group fills a node.
+    dp = ctx.layout.num_gpus // cfg.pp
+    across = ctx.layout.num_nodes > 1 and dp >= ctx.layout.gpus_per_node
+    p2p_s = p2p / ((ctx.network.inter_node_gbps if across else ctx.network.intra_node_gbps) * 1e9)
+    bubble = pipeline_bubble_s(st.compute_s, degree=cfg.pp, microbatches=m, stages_per_rank=v)
+    return dataclasses.replace(st, comm_s=st.comm_s + p2p_s, exposed_comm_s=st.exposed_comm_s + p2p_s,
+                               bubble_s=bubble), p2p
+
+
+def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool) -> Candidate:
+    """A pipeline candidate from its method's estimate at exactly its configuration (fast mode: the stages
+    at 1 and 2 layers, extrapolated; the microbatches composed)."""
+    m = _pipeline_microbatches(ctx, cfg, None)
+    _, v = _PP[cfg.method]
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
+    # The method reports its P2P volume with the FSDP2 ring's (inter-node whenever the job spans nodes).
+    if ctx.layout.num_nodes > 1:
+        fsdp_intra, fsdp_cross = est.comm_intra_node_bytes, max(est.comm_inter_node_bytes - p2p, 0)
+    else:
+        fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - p2p, 0), est.comm_inter_node_bytes
+    st, _ = _pp_work(ctx, cfg, profiles, gc, fsdp_intra, fsdp_cross)
+    w = est.worst
+    host = est.host_total_bytes_per_node
+    host_fits = not ctx.host_limit or host <= ctx.host_limit
+    return Candidate(
+        method=cfg.method, tp=1, pp=cfg.pp, micro_batch=1, grad_accum=m, grad_checkpointing=gc, offload=None,
+        device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
+        peak_reserved_bytes=w.peak_reserved_bytes, limit_bytes=ctx.limit,
+        fits=w.device_total_bytes <= ctx.limit and host_fits, verified=False, time=st,
+        tokens_per_s=ctx.global_batch * ctx.workload.seq_len / st.total_s,
+        segments=_segments(est, w.peak_allocated_bytes, w.peak_reserved_bytes, 0.0),
+        host_bytes_per_node=host, host_limit_bytes=ctx.host_limit, host_fits=host_fits,
+    )
+
+
 # Methods sharing a tensor-parallel plan: their TP activations and collectives
 # are the same, so one micro-batch-2 run per (plan, degree) serves them all.
 _TP_PLAN = {"tp": "torchtitan", "dp-tp": "torchtitan", "fsdp-tp": "torchtitan", "hybrid": "shardformer",
@@ -626,7 +706,26 @@ class _BatchError(ConfigError):
     """The global batch does not split over a configuration's ranks."""
 
 
+def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> int:
+    """The pipeline candidate's microbatch count: its data-parallel rank's share of the global batch, one
+    row each (:data:`_PP`)."""
+    schedule, _ = _PP[cfg.method]
+    dp = ctx.layout.num_gpus // cfg.pp
+    if ctx.global_batch % dp:
+        raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
+    if pinned not in (None, 1):
+        raise _BatchError(f"pipeline candidates run one-row microbatches, not --micro-batch {pinned}")
+    m = ctx.global_batch // dp
+    if m < cfg.pp:
+        raise _BatchError(f"{m} microbatches per step are fewer than the {cfg.pp} pipeline stages")
+    if schedule == "interleaved-1f1b" and m % cfg.pp:
+        raise _BatchError(f"{m} microbatches per step are not a multiple of the {cfg.pp} pipeline ranks")
+    return m
+
+
 def _micro_batch_plan(ctx: _Context, cfg: _Config, pinned: int | None) -> tuple[int, list[int]]:
+    if cfg.pp > 1:
+        return _pipeline_microbatches(ctx, cfg, pinned), [1]
     dp = ctx.layout.num_gpus // cfg.tp
     if ctx.global_batch % dp:
         raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
@@ -696,6 +795,8 @@ class _Search:
             self.profiles.put(mb, g, value)
 
     def _needs(self, cfg: _Config, gc: bool) -> list[tuple[str, _Config]]:
+        if cfg.pp > 1:
+            return [("pp-ckpt" if gc else "pp-one", cfg)]
         t = _TRAITS[cfg.method]
         keys = []
         if not gc or t.tp_family:
@@ -710,9 +811,15 @@ class _Search:
     def expand(self, units: list[tuple[_Config, bool]]) -> list[tuple[tuple[_Config, bool], Any]]:
         todo = list(dict.fromkeys(k for u in units for k in self._needs(*u) if k not in self.results))
         todo.sort(key=lambda k: not _TRAITS[k[1].method].tp_family)  # slowest first
-        tasks = [("run", self.ctx, cfg, self._wl[kind]) for kind, cfg in todo]
+        tasks = [("run", self.ctx, cfg, self._workload(kind, cfg)) for kind, cfg in todo]
         self.results.update(zip(todo, _map(tasks), strict=True))
         return [(u, self._build(*u)) for u in units]
+
+    def _workload(self, kind: str, cfg: _Config) -> Workload:
+        if kind.startswith("pp-"):  # one-row microbatches; the accumulation field carries their count
+            m = _pipeline_microbatches(self.ctx, cfg, self.pinned)
+            return dataclasses.replace(self._wl["one"], grad_accum_steps=m, grad_checkpointing=kind == "pp-ckpt")
+        return self._wl[kind]
 
     def _build(self, cfg: _Config, gc: bool) -> Any:
         t = _TRAITS[cfg.method]
@@ -720,6 +827,8 @@ class _Search:
         err = next((v for v in got.values() if isinstance(v, LLMemError)), None)
         if err is not None:
             return err
+        if cfg.pp > 1:
+            return [_pp_candidate(self.ctx, cfg, next(iter(got.values())), self.profiles, gc)]
         one = self.results.get(("one", cfg))
         base = _Base(one if one is not None else self.results[("ckpt", cfg)], ckpt=self.results.get(("ckpt", cfg)))
         if t.tp_family:
@@ -744,7 +853,7 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     acts = profiles.point(1, gc).activations
     if ctx.workload.precision.autocast_dtype is not None:
         acts -= 2 * ctx.params
-    tp = cfg.tp if _TRAITS[cfg.method].tp_family else 1
+    tp = cfg.tp if _TRAITS[cfg.method].tp_family else cfg.pp  # a pipeline rank: at least its stage's share
     return (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
             + max(acts, 0) // tp)
 
@@ -759,6 +868,8 @@ def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> f
     block of Megatron-style TP in forward and again in backward, for
     methods that hide no communication."""
     t = _TRAITS[cfg.method]
+    if cfg.pp > 1:  # compute, bubble and P2P; FSDP2's traffic counted as hidden
+        return _pp_work(ctx, cfg, profiles, gc, 0.0, 0.0)[0].total_s
     dp = ctx.layout.num_gpus // cfg.tp
     per_rank = ctx.global_batch // dp
     flops = profiles.flops(1, gc).scaled(per_rank / cfg.tp)  # one micro-step of the whole share
@@ -801,10 +912,12 @@ def _verify(ctx: _Context, c: Candidate) -> Candidate:
     every micro-step they are given and get at most 2: from the second on,
     every micro-step repeats the same allocations on the same live state
     (not checked against the allocator for them)."""
-    accum = c.grad_accum if c.method == "single" else min(c.grad_accum, 2)
+    # A pipeline's microbatches are its schedule: all of them (composed from shorter runs, pp_compose).
+    accum = c.grad_accum if c.method == "single" or c.pp > 1 else min(c.grad_accum, 2)
     wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=accum,
                              grad_checkpointing=c.grad_checkpointing)
-    est = _registry_call(_Config(c.method, c.tp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=False)
+    est = _registry_call(_Config(c.method, c.tp, c.pp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf,
+                         fast=False)
     w = est.worst
     act_delta = 0.0
     host = est.host_total_bytes_per_node
@@ -834,6 +947,9 @@ def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) ->
     out: list[_Config] = []
     for name in names:
         t = _TRAITS[name]
+        if name in _PP:
+            out += _pp_configs(ctx, name, skipped)
+            continue
         if name == "single":
             if layout.num_gpus == 1:
                 out.append(_Config(name, 1))
@@ -860,6 +976,22 @@ def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) ->
     return out, skipped
 
 
+def _pp_configs(ctx: _Context, name: str, skipped: list[tuple[str, str]]) -> list[_Config]:
+    """Pipeline degrees for ``name``: every divisor of the GPU count from 2 whose stages each keep a decoder
+    layer (``p * v`` stages over the model's layers), on a model the stages run."""
+    from llmem_plugin.methods.pp_stage import check_model
+
+    try:
+        check_model(ctx.config, ctx.workload.seq_len)
+    except LLMemError as e:
+        skipped.append((name, str(e).split(". HINT")[0]))
+        return []
+    _, v = _PP[name]
+    layers = modelbuild.num_layers(ctx.config)
+    n = ctx.layout.num_gpus
+    return [_Config(name, 1, p) for p in range(2, n + 1) if n % p == 0 and p * v <= layers]
+
+
 def _why(choice: Candidate, runner: Candidate | None) -> str:
     if runner is None:
         return f"{choice.label()} is the only method that fits"
@@ -868,7 +1000,8 @@ def _why(choice: Candidate, runner: Candidate | None) -> str:
         return (f"{choice.label()} ties with {runner.label()} at {a.total_s:.3g} s per step (communication hidden "
                 f"behind compute); it sends less ({a.comm_s:.3g} s vs {b.comm_s:.3g} s of link time)")
     parts = {"compute": (a.compute_s, b.compute_s), "exposed communication": (a.exposed_comm_s, b.exposed_comm_s),
-             "optimizer step": (a.optimizer_s, b.optimizer_s), "offload": (a.offload_s, b.offload_s)}
+             "optimizer step": (a.optimizer_s, b.optimizer_s), "offload": (a.offload_s, b.offload_s),
+             "pipeline bubble": (a.bubble_s, b.bubble_s)}
     name, (x, y) = max(parts.items(), key=lambda kv: kv[1][1] - kv[1][0])
     return (f"{choice.label()} beats {runner.label()}: {a.total_s:.3g} s vs {b.total_s:.3g} s per step, "
             f"mostly {name} ({x:.3g} s vs {y:.3g} s)")
@@ -1082,7 +1215,7 @@ def plan(
     runner = None
     if choice is not None:
         runner = next((c for c in candidates if c.fits and c is not choice
-                       and (c.method, c.tp) != (choice.method, choice.tp)), None)
+                       and (c.method, c.tp, c.pp) != (choice.method, choice.tp, choice.pp)), None)
     why = _why(choice, runner) if choice is not None else ""
     if choice is not None and pending:
         why += (f"; {len(pending)} other (method, checkpointing) pairs were not traced: under the model none can "
@@ -1118,6 +1251,8 @@ def plan(
 
 
 def _cfg_label(cfg: _Config) -> str:
+    if cfg.pp > 1:
+        return f"{cfg.method}{cfg.pp}"
     return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
 
 

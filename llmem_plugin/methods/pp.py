@@ -26,17 +26,19 @@ outside the schedule (its microbatches are the accumulation); unpacked rows.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmem_plugin import modelbuild
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.allocator_config import SMALL_BUFFER, AllocatorConfig
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
+from llmem_plugin.methods.pp_compose import VirtualPipeline, compose_runs, virtual_pipeline
 from llmem_plugin.methods.pp_schedule import SCHEDULES, SINGLE_STAGE, V_SHAPED, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
 from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
@@ -313,6 +315,76 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
     )
 
 
+def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: VirtualPipeline, *, rank: int,
+                  pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
+                  return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None
+                  ) -> tuple[RankMemory, dict[str, int]] | None:
+    """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
+    named as a full trace names them; None where the composition does not apply (then trace in full).
+
+    The tensor peak is the composition's. The allocated peak adds the longer run's allocator overhead over
+    its tensor peak (cuBLAS workspaces, rounding). The reserved peak is the longer run's plus the segments
+    the extra bytes need (a bound: the allocator's replay of the composed stream is not run)."""
+    from llmem_plugin.methods.pp_schedule import stages_of_rank as _stages
+
+    p, v, m = pipeline_degree, stages_per_rank, microbatches
+    to = dict(zip(sorted(_stages(schedule, p, rank // dp, v)), sorted(_stages(schedule, virtual.degree,
+                                                                             virtual.rank, v))))
+    vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
+    # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
+    # checkpointing pattern by layer index keeps the layers' positions in the key).
+    key = (virtual, rank % dp, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
+           tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else ())
+    if cache is not None and key in cache:
+        traces, mems = cache[key]
+        return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, dp, gpu, alloc_conf, overheads)
+    traces, mems = [], []
+    for mx in virtual.microbatches:
+        streams: dict[int, int] = {}
+        segments: list[tuple[str, int]] = []
+        trace = trace_rank(model, wl, vspecs, rank=virtual.rank * dp + rank % dp, pipeline_degree=virtual.degree,
+                           schedule=schedule, microbatches=mx, gpu=gpu, return_outputs=return_outputs, dp_shard=dp,
+                           streams=streams, segments=segments)
+        traces.append((trace.events, segments))
+        mems.append(rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf,
+                                streams=streams))
+    if cache is not None:
+        cache[key] = (traces, mems)
+    return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, dp, gpu, alloc_conf, overheads)
+
+
+def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
+                      m: int, v: int, rank: int, dp: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any
+                      ) -> tuple[RankMemory, dict[str, int]] | None:
+    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // dp)
+    if comp is None:
+        return None
+    longer = mems[1]
+    overhead = longer.peak_allocated_bytes - longer.peak_tensor_bytes
+    allocated = comp.peak + overhead
+    # The bytes the longer run did not hold need new segments: as many whole large-pool segments as that
+    # growth takes at the run's own reserved/allocated ratio, and one more in each pool that the allocator
+    # may open and leave partly used (CUDACachingAllocator.cpp: requests up to 1 MiB from 2 MiB small
+    # segments, kSmallBuffer; larger ones from 20 MiB segments, kLargeBuffer, or their own rounded to 2 MiB).
+    growth = max(allocated - longer.peak_allocated_bytes, 0)
+    reserved = longer.peak_reserved_bytes
+    if growth:
+        ratio = longer.peak_reserved_bytes / max(longer.peak_allocated_bytes, 1)
+        large = alloc_conf.large_segment_bytes
+        reserved += (math.ceil(growth * ratio / large) + 1) * large + SMALL_BUFFER
+    outside = overheads.outside_allocator_bytes  # this rank's communicators, not the stand-in's
+    breakdown = dict(longer.breakdown)
+    # The composition adds microbatches in flight and per-microbatch buffers over the longer run's peak.
+    breakdown[MemoryCategory.ACTIVATION.value] = breakdown.get(MemoryCategory.ACTIVATION.value, 0) + max(
+        comp.peak - longer.peak_tensor_bytes, 0)
+    return RankMemory(
+        rank=rank, peak_tensor_bytes=comp.peak, peak_allocated_bytes=allocated, peak_reserved_bytes=reserved,
+        device_total_bytes=reserved + outside, fits=reserved + outside <= gpu.capacity_bytes, breakdown=breakdown,
+        host_bytes=longer.host_bytes, host_overheads=dict(longer.host_overheads),
+        phase_allocated={ph: v_ + overhead for ph, v_ in comp.phase_peaks.items()},
+    ), comp.segment_peaks
+
+
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
                         micro_batch_size: int, seq_len: int) -> str:
     """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
@@ -343,6 +415,7 @@ def estimate(
     ranks: list[int] | None = None,
     return_outputs: bool = True,
     fast: bool = False,
+    compose: bool = True,
     **_: Any,
 ) -> MethodEstimate:
     """Per-rank memory of a pipeline-parallel training step on ``layout``.
@@ -366,6 +439,9 @@ def estimate(
         fast: Trace each rank with its stages cut to one decoder layer and to two, and extrapolate every
             quantity affinely to its deepest stage's depth (the schedule, its microbatches and buffers stay
             whole); a rank whose stages all have at most two layers is traced in full.
+        compose: Compose each rank's step from a small pipeline's runs at two small microbatch counts
+            (:mod:`llmem_plugin.methods.pp_compose`) where one shows every action context the rank's schedule
+            has; False traces every microbatch.
 
     Raises:
         ConfigError: Bad degrees, microbatches or split.
@@ -436,7 +512,7 @@ def estimate(
                           f"--microbatches {m}. HINT: pass --microbatches {p} or more")
     from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
 
-    if isinstance(m, int) and m > MAX_TRACED_MICRO_STEPS:
+    if isinstance(m, int) and m > MAX_TRACED_MICRO_STEPS and not compose:
         raise UnsupportedError(f"--method {preset} traces every microbatch, and --microbatches {m} is above "
                                f"{MAX_TRACED_MICRO_STEPS}. HINT: estimate {MAX_TRACED_MICRO_STEPS} or fewer")
     flight = in_flight(schedule, p, m, v)  # also the schedule's own checks (degrees, placement, microbatches)
@@ -462,6 +538,8 @@ def estimate(
         traced = ranks
     overheads_of = {}
     rows = []
+    composed_ranks: list[int] = []
+    stand_in_runs: dict = {}
     for r in traced:
         if isinstance(r, bool) or not (isinstance(r, int) and 0 <= r < layout.num_gpus):
             raise ConfigError(f"rank {r!r} is not a rank of the {layout.num_gpus} GPUs. HINT: pass ranks 0 to "
@@ -478,8 +556,23 @@ def estimate(
             overheads_of[sizes] = device_overheads(target.compute_capability, torch_version=torch_version,
                                                    uses_cublaslt=uses_cublaslt(probe), nccl_world_sizes=sizes)
 
-        def row(specs_: list[StageSpec], r: int = r, sizes: tuple[int, ...] = sizes
+        virtual = virtual_pipeline(schedule, p, m, v, r // dp) if compose else None
+        if virtual is None and m > MAX_TRACED_MICRO_STEPS:
+            raise UnsupportedError(f"--method {preset}: pipeline rank {r // dp}'s {m} microbatches cannot be "
+                                   f"composed from shorter runs and tracing them all is refused above "
+                                   f"{MAX_TRACED_MICRO_STEPS}. HINT: pass --microbatches {MAX_TRACED_MICRO_STEPS} "
+                                   "or fewer (a multiple of the pipeline degree for interleaved schedules)")
+
+        def row(specs_: list[StageSpec], r: int = r, sizes: tuple[int, ...] = sizes, virtual: Any = virtual
                 ) -> tuple[RankMemory, dict[str, int]]:
+            if virtual is not None:
+                got = _composed_row(model, wl, specs_, virtual, rank=r, pipeline_degree=p, schedule=schedule,
+                                    microbatches=m, stages_per_rank=v, dp=dp, gpu=target,
+                                    return_outputs=return_outputs, overheads=overheads_of[sizes], alloc_conf=config,
+                                    cache=stand_in_runs)
+                if got is not None:
+                    composed_ranks.append(r)
+                    return got
             streams: dict[int, int] = {}
             segments: list[tuple[str, int]] = []
             trace = trace_rank(model, wl, specs_, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
@@ -511,6 +604,10 @@ def estimate(
         notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, schedule=schedule,
                                                           microbatches=m, micro_batch_size=wl.micro_batch_size,
                                                           seq_len=wl.seq_len))
+    if composed_ranks:
+        notes.append(f"composed: ranks {sorted(set(composed_ranks))} from a smaller pipeline's runs at two small "
+                     f"microbatch counts (llmem_plugin.methods.pp_compose), replayed over the real schedule's "
+                     f"{m} microbatches; reserved: the longer run's plus whole segments for the extra bytes")
     if fast:
         notes.append("fast: each rank traced with its stages at 1 and 2 decoder layers (every microbatch), "
                      "extrapolated to its deepest stage's depth; reserved approximate (the larger "

@@ -29,6 +29,7 @@ EXPECTED_NAMES = {
     "llama-2-70b",
     "llama-3.1-8b",
     "llama-3.1-70b",
+    "llama-3.1-405b",
     "llama-3.2-1b",
     "llama-3.2-3b",
     "mistral-7b",

@@ -203,7 +203,7 @@ def test_fsdp_inside_stages_is_reported_per_pipeline_rank():
 
 @pytest.mark.parametrize("kwargs,layout,error,match", [
     ({"microbatches": 3}, Layout(num_gpus=4), ConfigError, "at least as many microbatches as pipeline stages"),
-    ({"microbatches": 300}, Layout(num_gpus=4), UnsupportedError, "above 256"),
+    ({"microbatches": 300, "compose": False}, Layout(num_gpus=4), UnsupportedError, "above 256"),
     ({"split": [4, 0, 0, 4]}, Layout(num_gpus=4), ConfigError, "middle stage without decoder layers"),
     ({"stages_per_rank": 2}, Layout(num_gpus=4), ConfigError, "one stage per rank"),
     ({}, Layout(num_gpus=4, tp=2), UnsupportedError, "--tp"),

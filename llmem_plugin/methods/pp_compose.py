@@ -1,0 +1,320 @@
+"""A pipeline rank's step at any microbatch count, composed from short runs of a small pipeline.
+
+Tracing a rank's whole schedule costs every one of its ``m`` microbatches
+(twice: two steps), and the planner's candidates run hundreds. But a rank's
+memory over a step is a sequence of actions (the step's start, each compute
+action ``F``/``B``/``I``/``W`` of a stage and microbatch, what runs after it
+until the next one: P2P, the loss, the end of the schedule; the optimizer
+step), and what an action allocates and frees does not depend on which
+microbatch it serves. It depends on:
+
+* what the action is (kind and stage),
+* whether it is its stage's first or last of its kind in the step (the first
+  backward allocates the gradients, the last one under FSDP2 reduce-scatters
+  them, the last action's tail concatenates the last stage's outputs),
+* which compute actions come just before and after it (which P2P operations
+  the runtime batches around it: torch's ``Schedule1F1B`` fuses a forward's
+  send with the next backward's receive, for example),
+* the step (the first allocates the receive buffers, the optimizer states),
+* and, for the step's start and the last action's tail only, ``m`` (the
+  receive buffers, the input rows and the output chunks are per microbatch).
+
+So one trace of a small pipeline (``p_t`` ranks, the same stage modules, the
+same FSDP2 degree) at two small microbatch counts gives every action's
+template: its net change of live bytes and its highest point above where it
+started, part by part. Replaying the real rank's action list
+(:func:`~llmem_plugin.methods.pp_schedule.rank_actions` at the real ``p`` and
+``m``) through those templates gives the live bytes at every moment, hence
+the peak: the microbatches in flight add up as the real order has them.
+Templates whose two runs differ are affine in ``m`` between them.
+
+Checked against full traces of the real rank (tests/methods/test_pp_compose.py);
+where the real schedule needs an action context the small runs never showed,
+or two instances of one context disagree, :func:`compose` returns None and the
+rank is traced in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmem_plugin.methods.pp_schedule import Chunk, rank_actions, stages_of_rank
+
+__all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "cut", "templates", "virtual_pipeline"]
+
+# Ranks of the small pipeline: the first, a middle one with a warm-up of three, and the last. Four is the
+# fewest for which a middle rank holds two forwards between others (1F1B's warm-up F-F-F context).
+_VIRTUAL_DEGREE = 4
+# Compute actions on each side that an action's context names: the runtime holds a send's work until a
+# later action replaces it (torch's 1F1B keeps the last warm-up send it fires, two forwards before the
+# first backward, until the step ends), so what an action frees depends on its neighbours two away.
+_WINDOW = 2
+
+
+@dataclass(frozen=True)
+class VirtualPipeline:
+    """The small pipeline that stands for a rank: its degree, the rank that plays it, and the two microbatch
+    counts traced."""
+
+    degree: int
+    rank: int
+    microbatches: tuple[int, int]
+
+
+def _valid(schedule: str, p: int, m: int, v: int) -> bool:
+    from llmem_plugin.errors import ConfigError
+
+    if schedule == "1f1b" and m < p:  # torch's Schedule1F1B.__init__ refuses fewer microbatches than stages
+        return False
+    try:
+        rank_actions(schedule, p, m, v)
+    except ConfigError:
+        return False
+    return True
+
+
+def _stage_kinds(schedule: str, p: int, rank: int, v: int) -> list[str]:
+    total = p * v
+    return ["first" if s == 0 else "last" if s == total - 1 else "middle"
+            for s in sorted(stages_of_rank(schedule, p, rank, v))]
+
+
+def _mapped(schedule: str, p: int, rank: int, v: int, pt: int, r: int) -> dict[int, int]:
+    return dict(zip(sorted(stages_of_rank(schedule, p, rank, v)), sorted(stages_of_rank(schedule, pt, r, v))))
+
+
+def _context_keys(schedule: str, p: int, m: int, v: int, rank: int, to: dict[int, int] | None = None) -> set[tuple]:
+    keys = _keys(rank_actions(schedule, p, m, v)[rank])
+    return {_relabel(k, to) for k in keys} if to is not None else set(keys)
+
+
+def _relabel(key: tuple | None, to: dict[int, int]) -> tuple | None:
+    if key is None:
+        return None
+    kind, stage, first, last, prev, nxt, *fwd = key
+    return (kind, to[stage], first, last, tuple((k, to[s]) for k, s in prev), tuple((k, to[s]) for k, s in nxt),
+            *(_relabel(f, to) for f in fwd))
+
+
+def virtual_pipeline(schedule: str, p: int, m: int, v: int, rank: int) -> VirtualPipeline | None:
+    """The small pipeline for pipeline rank ``rank`` of (``p``, ``m``), or None where none is smaller than
+    the real one (trace it in full).
+
+    The stand-in is a rank of the smallest pipeline (from ``min(p, 4)`` ranks up) holding stages of the
+    same kinds (first, middle, last) in the same order, at the two smallest valid microbatch counts below
+    ``m`` whose runs show every action context the real rank's schedule has (:func:`_keys`); of several
+    stand-ins of one degree, the one that needs the fewest microbatches. The real rank itself qualifies
+    (its degree is ``p``) when fewer microbatches show all its contexts."""
+    want = _stage_kinds(schedule, p, rank, v)
+    best = None
+    for pt in range(min(p, _VIRTUAL_DEGREE), p + 1):
+        for r in range(pt):
+            if _stage_kinds(schedule, pt, r, v) != want:
+                continue
+            to = _mapped(schedule, p, rank, v, pt, r)
+            need = _context_keys(schedule, p, m, v, rank, to)
+            counts = []
+            for c in range(1, m):
+                if _valid(schedule, pt, c, v) and need <= _context_keys(schedule, pt, c, v, r):
+                    counts.append(c)
+                    if len(counts) == 2:
+                        break
+            if len(counts) == 2 and (best is None or pt * sum(counts) < best.degree * sum(best.microbatches)):
+                best = VirtualPipeline(pt, r, (counts[0], counts[1]))
+        if best is not None:
+            break
+    return best
+
+
+def _keys(actions: list[Chunk]) -> list[tuple]:
+    """Each compute action's context: (kind, stage, first of its kind and stage, last, the (kind, stage) of
+    the :data:`_WINDOW` actions before it and after it), and for a backward the context of its microbatch's
+    forward."""
+    own = []
+    for i, a in enumerate(actions):
+        same = [b for b in actions if (b.kind, b.stage) == (a.kind, a.stage)]
+        prev = tuple((b.kind, b.stage) for b in actions[max(i - _WINDOW, 0):i])
+        nxt = tuple((b.kind, b.stage) for b in actions[i + 1:i + 1 + _WINDOW])
+        own.append((a.kind, a.stage, same[0] is a, same[-1] is a, prev, nxt))
+    forward = {(a.stage, a.microbatch): k for a, k in zip(actions, own) if a.kind == "F"}
+    # A backward's frees depend on where its microbatch's forward ran too: a send the runtime still holds
+    # keeps that forward's output alive past its backward (torch's 1F1B keeps the last warm-up send it
+    # fired until the step ends).
+    return [k if a.kind == "F" else (*k, forward.get((a.stage, a.microbatch))) for a, k in zip(actions, own)]
+
+
+@dataclass(frozen=True)
+class Template:
+    """One action's parts: (part name, highest live bytes above the action's start, live bytes above it at
+    the part's end)."""
+
+    parts: tuple[tuple[str, int, int], ...]
+
+    @property
+    def delta(self) -> int:
+        return self.parts[-1][2] if self.parts else 0
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced run, cut into actions: the live bytes before the first one, and each action's name and
+    template in order."""
+
+    start: int
+    actions: list[tuple[str, Template]]
+
+
+def cut(events: list[tuple[int, int, int]], segments: list[tuple[str, int]]) -> Traced:
+    """The run's actions from its ``events`` and the positions where its segments start ("F:1:3:0|layers#1":
+    action "F:1:3:0", part "layers#1"); consecutive segments of one action form its template."""
+    bounds = [pos for _, pos in segments] + [len(events)]
+    live = 0
+    for sign, _, n in events[: bounds[0]]:
+        live += sign * n
+    start = live
+    actions: list[tuple[str, list[tuple[str, int, int]], int]] = []
+    for k, (name, pos) in enumerate(segments):
+        action, _, part = name.partition("|")
+        if not actions or actions[-1][0] != action:
+            actions.append((action, [], live))
+        base = actions[-1][2]
+        peak = live
+        for sign, _, n in events[pos: bounds[k + 1]]:
+            live += sign * n
+            peak = max(peak, live)
+        actions[-1][1].append((part, peak - base, live - base))
+    return Traced(start, [(a, Template(tuple(parts))) for a, parts, _ in actions])
+
+
+def _label(action: str) -> tuple[str, int, int, int] | None:
+    """("F", stage, microbatch, step) of a compute or after-compute action name; None for the others."""
+    kind, *rest = action.split(":")
+    if len(rest) != 3:
+        return None
+    return kind, int(rest[0]), int(rest[1]), int(rest[2])
+
+
+def templates(run: Traced, schedule: str, p: int, m: int, v: int, rank: int) -> dict[tuple, Template] | None:
+    """Each action context's template in one traced run of pipeline rank ``rank`` of (``p``, ``m``); None
+    when the run's compute actions are not the schedule's, or two instances of one context differ."""
+    expected = rank_actions(schedule, p, m, v)[rank]
+    keys = _keys(expected)
+    out: dict[tuple, Template] = {}
+    i_of_step: dict[int, int] = {}
+    for action, tpl in run.actions:
+        label = _label(action)
+        if label is None:
+            key: tuple = (action,)  # "step:0", "optimizer:1"
+        else:
+            kind, stage, mb, it = label
+            base = kind.removeprefix("after-")
+            if base == kind:
+                i = i_of_step.get(it, 0)
+                i_of_step[it] = i + 1
+            else:
+                i = i_of_step.get(it, 0) - 1
+            if not 0 <= i < len(expected) or expected[i] != Chunk(base, stage, mb):
+                return None
+            key = (kind, it, *keys[i][1:])
+        seen = out.setdefault(key, tpl)
+        if seen != tpl:
+            if [(n, e) for n, _, e in seen.parts] != [(n, e) for n, _, e in tpl.parts]:
+                return None
+            out[key] = Template(tuple((n, max(a, b), e) for (n, a, e), (_, b, _) in zip(seen.parts, tpl.parts)))
+    if any(i_of_step.get(it) != len(expected) for it in i_of_step):
+        return None
+    return out
+
+
+def _between(a: Template, b: Template, m_a: int, m_b: int, m: int) -> Template | None:
+    """The template at ``m`` from its values at ``m_a`` and ``m_b`` (affine; rounded up)."""
+    if a == b:
+        return a
+    if [n for n, _, _ in a.parts] != [n for n, _, _ in b.parts]:
+        return None
+
+    def at(x: int, y: int) -> int:
+        return x + math.ceil((y - x) * (m - m_a) / (m_b - m_a))
+
+    return Template(tuple((n, at(pa, pb), at(ea, eb)) for (n, pa, ea), (_, pb, eb) in zip(a.parts, b.parts)))
+
+
+@dataclass(frozen=True)
+class Composed:
+    """The composed run: its highest live bytes, each action part's highest (named as a full trace of the
+    real rank names them), and each phase's highest."""
+
+    peak: int
+    segment_peaks: dict[str, int]
+    phase_peaks: dict[str, int]
+
+
+def _phase(kind: str) -> str:
+    base = kind.removeprefix("after-")
+    return {"F": "forward", "B": "backward", "I": "backward", "W": "backward", "step": "setup",
+            "optimizer": "optimizer"}[base]
+
+
+def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict[tuple, Template]]],
+            virtual: VirtualPipeline, schedule: str, p: int, m: int, v: int, rank: int,
+            iterations: int = 2) -> Composed | None:
+    """Replay pipeline rank ``rank`` of (``p``, ``m``) from its stand-in's two runs (:func:`templates` of
+    each, at ``virtual.microbatches``); None where a context of the real schedule is missing from them or
+    the runs start apart."""
+    (run_a, tpl_a), (run_b, tpl_b) = runs
+    if run_a.start != run_b.start:
+        return None
+    m_a, m_b = virtual.microbatches
+    to_virtual = _mapped(schedule, p, rank, v, virtual.degree, virtual.rank)
+    to_real = {b: a for a, b in to_virtual.items()}
+    actions = rank_actions(schedule, p, m, v)[rank]
+    keys = _keys(actions)
+
+    live = run_b.start
+    peak = live
+    segments: dict[str, int] = {}
+    phases: dict[str, int] = {}
+
+    def play(name: str, key: tuple, kind: str) -> bool:
+        nonlocal live, peak
+        a, b = tpl_a.get(key), tpl_b.get(key)
+        if a is None and b is None:
+            return False
+        tpl = _between(a, b, m_a, m_b, m) if a is not None and b is not None else (a or b)
+        if tpl is None:
+            return False
+        for part, high, end in tpl.parts:
+            head, hash_, count = part.partition("#")
+            if head[:1] == "s" and head[1:].isdigit():  # an allocation at a stage's root: "s1#1" names its stage
+                part = f"s{to_real[int(head[1:])]}{hash_}{count}"
+            segments[f"{name}|{part}" if part else name] = live + high
+            phases[_phase(kind)] = max(phases.get(_phase(kind), 0), live + high)
+            peak = max(peak, live + high)
+        live += tpl.delta
+        return True
+
+    for it in range(iterations):
+        if not play(f"step:{it}", (f"step:{it}",), "step"):
+            return None
+        for a, key in zip(actions, keys):
+            vk = _relabel(key, to_virtual)
+            for kind in (a.kind, f"after-{a.kind}"):
+                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind):
+                    return None
+        if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
+            return None
+    return Composed(peak, segments, phases)
+
+
+def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
+                 schedule: str, p: int, m: int, v: int, rank: int) -> Composed | None:
+    """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts)."""
+    cut_runs = []
+    for (events, segments), mx in zip(runs, virtual.microbatches):
+        run = cut(events, segments)
+        tpl = templates(run, schedule, virtual.degree, mx, v, virtual.rank)
+        if tpl is None:
+            return None
+        cut_runs.append((run, tpl))
+    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank)

@@ -1,0 +1,99 @@
+"""Composed pipeline ranks (llmem_plugin.methods.pp_compose) against full traces of the same rank.
+
+The full fake trace of a rank equals a real 4-process gloo run byte for byte (tests/methods/test_pp.py), so
+a composed rank whose live bytes equal the full trace's at every action is checked against the real run too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmem_plugin.gpus import get_gpu
+from llmem_plugin.methods import Layout, estimate_method
+from llmem_plugin.methods.pp import stage_specs, trace_rank
+from llmem_plugin.methods.pp_compose import compose_runs, virtual_pipeline
+from llmem_plugin.methods.pp_schedule import stages_of_rank
+from llmem_plugin.methods.pp_stage import StageSpec
+from llmem_plugin.workload import Workload
+from tests.conftest import tiny_config
+
+H100 = get_gpu("h100-sxm")
+# seq 32 x 2 rows: every per-microbatch tensor is a multiple of the allocator's 512-byte block, as at real
+# sizes (what is affine in the microbatch count stays affine after rounding).
+WL = Workload(seq_len=32, micro_batch_size=2, precision="fp32", optimizer="adamw")
+V_OF = {"1f1b": 1, "gpipe": 1, "interleaved-1f1b": 2, "zbv": 2, "dualpipev": 2, "interleaved-zb": 2}
+
+
+def _config():
+    return tiny_config("llama", num_hidden_layers=8)
+
+
+def _segments_peak(trace, segments):
+    from llmem_plugin.methods.pp import segment_peaks
+
+    return segment_peaks(trace, segments)
+
+
+# (schedule, p, m, pipeline rank): the first and the last rank and a middle one, at microbatch counts just
+# above the smallest the composition applies to.
+CASES = [("1f1b", 4, 12, 0), ("1f1b", 4, 12, 1), ("1f1b", 4, 12, 3), ("gpipe", 4, 9, 0), ("gpipe", 4, 9, 2),
+         ("interleaved-1f1b", 4, 32, 2), ("zbv", 4, 20, 0), ("zbv", 4, 20, 3), ("dualpipev", 4, 20, 1),
+         ("interleaved-zb", 4, 20, 3)]
+
+
+@pytest.mark.parametrize("schedule,p,m,rank", CASES)
+def test_composed_rank_equals_its_full_trace_at_every_action(schedule, p, m, rank):
+    v = V_OF[schedule]
+    specs = stage_specs(8, p * v)
+    mine = [specs[s] for s in sorted(stages_of_rank(schedule, p, rank, v))]
+    virtual = virtual_pipeline(schedule, p, m, v, rank)
+    assert virtual is not None and virtual.microbatches[1] < m
+    to = dict(zip(sorted(stages_of_rank(schedule, p, rank, v)),
+                  sorted(stages_of_rank(schedule, virtual.degree, virtual.rank, v))))
+    vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in mine]
+    runs = []
+    for mx in virtual.microbatches:
+        segments = []
+        t = trace_rank(_config(), WL, vspecs, rank=virtual.rank, pipeline_degree=virtual.degree, schedule=schedule,
+                       microbatches=mx, gpu=H100, segments=segments)
+        runs.append((t.events, segments))
+    composed = compose_runs(runs, virtual, schedule, p, m, v, rank)
+    assert composed is not None
+    segments = []
+    full = trace_rank(_config(), WL, mine, rank=rank, pipeline_degree=p, schedule=schedule, microbatches=m,
+                      gpu=H100, segments=segments)
+    assert composed.peak == full.peak_bytes
+    # Every action part's highest live bytes, named as the full trace names them.
+    assert composed.segment_peaks == _segments_peak(full, segments)
+
+
+def test_virtual_pipelines_are_small_for_long_schedules():
+    # A 16-rank 1F1B at 64 microbatches: rank 0's warm-up holds 16 forwards, but every context its actions
+    # have (two actions each side, first/last of a kind, its forward's context) shows up in a 5-rank
+    # pipeline at 12 and 13 microbatches.
+    vp = virtual_pipeline("1f1b", 16, 64, 1, 0)
+    assert vp is not None and vp.degree <= 6 and vp.microbatches[1] <= 2 * vp.degree + 4
+    last = virtual_pipeline("1f1b", 16, 64, 1, 15)
+    assert last is not None and last.rank == last.degree - 1 and last.microbatches[1] <= 6
+    # Too few microbatches to save anything: traced in full.
+    assert virtual_pipeline("1f1b", 4, 5, 1, 0) is None
+    assert virtual_pipeline("dualpipev", 4, 12, 2, 0) is None
+
+
+def test_estimate_composes_and_reports_it():
+    cfg = _config()
+    wl = WL
+    composed = estimate_method("pp", cfg, wl, layout=Layout(num_gpus=4), gpu=H100, microbatches=12)
+    full = estimate_method("pp", cfg, wl, layout=Layout(num_gpus=4), gpu=H100, microbatches=12, compose=False)
+    assert any(n.startswith("composed: ranks [0, 1, 2, 3]") for n in composed.notes)
+    assert not any(n.startswith("composed") for n in full.notes)
+    for a, b in zip(composed.ranks, full.ranks):
+        assert a.peak_tensor_bytes == b.peak_tensor_bytes
+        # Allocated adds the longer run's workspaces and rounding over its tensors: equal to the full replay's.
+        assert a.peak_allocated_bytes == b.peak_allocated_bytes
+        # Reserved is a bound: never under the full replay, and over it by at most the segments the bound
+        # adds beyond the growth (one 20 MiB large segment and one 2 MiB small one) plus the growth's own
+        # rounding to a large segment. (At this tiny size that is tens of percent; at real sizes, tens of
+        # MiB of tens of GiB.)
+        assert b.peak_reserved_bytes <= a.peak_reserved_bytes <= b.peak_reserved_bytes + 2 * 20 * 2**20 + 2 * 2**20
+

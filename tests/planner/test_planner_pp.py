@@ -1,0 +1,57 @@
+"""Pipeline candidates in the planner: their memory is the pipeline method's own estimate at exactly their
+configuration, their step time adds Megatron's bubble to the compute."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llmem_plugin.cost import pipeline_bubble_s
+from llmem_plugin.methods import Layout, estimate_method
+from llmem_plugin.planner import plan
+from llmem_plugin.workload import Workload
+from tests.conftest import tiny_config
+
+WL = Workload(seq_len=32, precision="fp32", optimizer="adamw")
+
+
+def test_pipeline_bubble_is_megatrons():
+    """Narayanan et al., SC'21: bubble time over ideal time (p - 1) / m, and (p - 1) / (v m) interleaved."""
+    assert pipeline_bubble_s(8.0, degree=4, microbatches=8) == pytest.approx(8.0 * 3 / 8)
+    assert pipeline_bubble_s(8.0, degree=4, microbatches=8, stages_per_rank=2) == pytest.approx(8.0 * 3 / 16)
+    assert pipeline_bubble_s(8.0, degree=1, microbatches=8) == 0
+
+
+@pytest.fixture(scope="module")
+def pp_plan():
+    return plan(tiny_config("llama", num_hidden_layers=8), gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"],
+                global_batch=8, grad_checkpointing=False, prune=False)
+
+
+def test_pipeline_candidates_are_one_row_microbatches_of_each_ranks_share(pp_plan):
+    # 8 layers: pipeline degrees 2 (FSDP2 over 2 inside each stage) and 4; each data-parallel rank's share
+    # of the 8 sequences is its microbatch count.
+    got = sorted((c.pp, c.micro_batch, c.grad_accum) for c in pp_plan.candidates)
+    assert got == [(2, 1, 4), (4, 1, 8)]
+    for c in pp_plan.candidates:
+        assert c.time.bubble_s == pytest.approx(pipeline_bubble_s(c.time.compute_s, degree=c.pp,
+                                                                  microbatches=c.grad_accum))
+        assert c.time.bubble_s > 0
+        assert c.label().startswith(f"pp{c.pp} ")
+
+
+def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
+    c = pp_plan.choice
+    assert c is not None and c.verified and c.pp in (2, 4)
+    wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=c.grad_checkpointing)
+    est = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4),
+                          gpu="h100-sxm", pipeline_degree=c.pp, microbatches=c.grad_accum)
+    assert c.device_total_bytes == est.worst.device_total_bytes
+    assert c.peak_allocated_bytes == est.worst.peak_allocated_bytes
+    # The other one was screened from the method's fast mode at its own configuration.
+    other = next(x for x in pp_plan.candidates if x is not c)
+    fast = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4),
+                           gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
+                           fast=not other.verified)
+    assert other.device_total_bytes == fast.worst.device_total_bytes
