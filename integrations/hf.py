@@ -492,6 +492,11 @@ def autoconfigure(model: Any, training_args: Any, cluster: dict[str, Any] | None
     target, memory = _common.resolve_target(cluster.get("gpu"), cluster.get("gpu_memory"))
     live = _common.live_model(model)
     bad = [m for m in (methods or []) if m not in HF_METHODS]
+    if any(m.startswith("pp") for m in bad):
+        # The Trainer has no pipeline schedule: a pipeline plan cannot run in it.
+        raise ConfigError(f"methods {bad}: pipeline parallelism does not run in the Hugging Face Trainer (it has no "
+                          f"pipeline schedule). HINT: drop them here (valid: {', '.join(HF_METHODS)}), or plan with "
+                          "`llmem plan` and run the pipeline with torchtitan")
     if bad:
         raise ConfigError(f"methods {bad} do not run from TrainingArguments; valid: {', '.join(HF_METHODS)}")
     wl = _workload(training_args, live, 1, seq_len)

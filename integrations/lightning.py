@@ -208,6 +208,10 @@ def _strategy_of(method: str, tp: int, *, num_gpus: int, module: Any, package: s
     if method in _TP:
         return s.ModelParallelStrategy(data_parallel_size=num_gpus // tp, tensor_parallel_size=tp)
     valid = ", ".join(("single", "ddp") + _FSDP + _ZERO + _TP)
+    if method.startswith("pp"):
+        raise ConfigError(f"method '{method}': pipeline parallelism does not run in Lightning's Trainer (no strategy "
+                          f"runs a pipeline schedule); valid: {valid}. HINT: plan with methods= from this list, or "
+                          "run the pipeline with torchtitan")
     raise ConfigError(f"method '{method}' has no Lightning strategy; valid: {valid}. HINT: plan with "
                       "methods= from this list")
 

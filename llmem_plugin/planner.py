@@ -113,13 +113,15 @@ _TRAITS: dict[str, _Traits] = {
     # the parameters and states; FSDP2 gathers once per step and reduces once (reshard_after_forward=False,
     # no sync until the last microbatch), prefetched behind compute.
     "pp": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
-    "pp-interleaved": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
 }
 # Pipeline methods: their schedule and stages per rank. Each candidate runs microbatches of one row
 # (torchtitan's default pipeline_parallel_microbatch_size = 1): for a given rank's share of the batch, one
 # row per microbatch has the fewest microbatches in flight and the most microbatches (the smallest bubble);
 # the receive buffers, m of one row each, hold the same bytes at any split.
-_PP = {"pp": ("1f1b", 1), "pp-interleaved": ("interleaved-1f1b", 2)}
+# (The other schedules are estimated by ``llmem estimate --method``; the planner searches 1F1B, whose bubble
+# the cited model covers and whose stand-in pipelines are quick to find at any degree.)
+_PP = {"pp": ("1f1b", 1)}
+_MAX_PIPELINE_MICROBATCHES = 4096  # the CLI's --microbatches bound
 # Planner names that run a registry method with options.
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-offload": ("fsdp", {"cpu_offload": True}),
@@ -718,6 +720,8 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     m = ctx.global_batch // dp
     if m < cfg.pp:
         raise _BatchError(f"{m} microbatches per step are fewer than the {cfg.pp} pipeline stages")
+    if m > _MAX_PIPELINE_MICROBATCHES:
+        raise _BatchError(f"{m} microbatches per step are more than the {_MAX_PIPELINE_MICROBATCHES} estimated")
     if schedule == "interleaved-1f1b" and m % cfg.pp:
         raise _BatchError(f"{m} microbatches per step are not a multiple of the {cfg.pp} pipeline ranks")
     return m

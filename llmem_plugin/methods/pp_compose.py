@@ -36,6 +36,7 @@ rank is traced in full.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ _VIRTUAL_DEGREE = 4
 # later action replaces it (torch's 1F1B keeps the last warm-up send it fires, two forwards before the
 # first backward, until the step ends), so what an action frees depends on its neighbours two away.
 _WINDOW = 2
+# Largest stand-in pipeline searched (1F1B needs 2 x _WINDOW + 1 ranks to show five forwards in a row).
+_MAX_VIRTUAL_DEGREE = 8
+# Longest stand-in run searched, in rounds of its pipeline degree (the interleaved schedules need five).
+_MAX_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ def _valid(schedule: str, p: int, m: int, v: int) -> bool:
     if schedule == "1f1b" and m < p:  # torch's Schedule1F1B.__init__ refuses fewer microbatches than stages
         return False
     try:
-        rank_actions(schedule, p, m, v)
+        _actions_of(schedule, p, m, v)
     except ConfigError:
         return False
     return True
@@ -84,8 +89,18 @@ def _mapped(schedule: str, p: int, rank: int, v: int, pt: int, r: int) -> dict[i
     return dict(zip(sorted(stages_of_rank(schedule, p, rank, v)), sorted(stages_of_rank(schedule, pt, r, v))))
 
 
+@functools.lru_cache(maxsize=512)
+def _actions_of(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Chunk, ...], ...]:
+    return tuple(tuple(a) for a in rank_actions(schedule, p, m, v))
+
+
+@functools.lru_cache(maxsize=4096)
+def _keys_of(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple, ...]:
+    return tuple(_keys(list(_actions_of(schedule, p, m, v)[rank])))
+
+
 def _context_keys(schedule: str, p: int, m: int, v: int, rank: int, to: dict[int, int] | None = None) -> set[tuple]:
-    keys = _keys(rank_actions(schedule, p, m, v)[rank])
+    keys = _keys_of(schedule, p, m, v, rank)
     return {_relabel(k, to) for k in keys} if to is not None else set(keys)
 
 
@@ -108,14 +123,16 @@ def virtual_pipeline(schedule: str, p: int, m: int, v: int, rank: int) -> Virtua
     (its degree is ``p``) when fewer microbatches show all its contexts."""
     want = _stage_kinds(schedule, p, rank, v)
     best = None
-    for pt in range(min(p, _VIRTUAL_DEGREE), p + 1):
+    for pt in range(min(p, _VIRTUAL_DEGREE), min(p, _MAX_VIRTUAL_DEGREE) + 1):
         for r in range(pt):
             if _stage_kinds(schedule, pt, r, v) != want:
                 continue
             to = _mapped(schedule, p, rank, v, pt, r)
             need = _context_keys(schedule, p, m, v, rank, to)
             counts = []
-            for c in range(1, m):
+            # Contexts repeat once a small pipeline's schedule is past its first rounds: beyond a few rounds
+            # of pt microbatches a longer run shows nothing new (and would save little).
+            for c in range(1, min(m, _MAX_ROUNDS * pt)):
                 if _valid(schedule, pt, c, v) and need <= _context_keys(schedule, pt, c, v, r):
                     counts.append(c)
                     if len(counts) == 2:
@@ -131,12 +148,16 @@ def _keys(actions: list[Chunk]) -> list[tuple]:
     """Each compute action's context: (kind, stage, first of its kind and stage, last, the (kind, stage) of
     the :data:`_WINDOW` actions before it and after it), and for a backward the context of its microbatch's
     forward."""
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for i, a in enumerate(actions):
+        first.setdefault((a.kind, a.stage), i)
+        last[(a.kind, a.stage)] = i
     own = []
     for i, a in enumerate(actions):
-        same = [b for b in actions if (b.kind, b.stage) == (a.kind, a.stage)]
         prev = tuple((b.kind, b.stage) for b in actions[max(i - _WINDOW, 0):i])
         nxt = tuple((b.kind, b.stage) for b in actions[i + 1:i + 1 + _WINDOW])
-        own.append((a.kind, a.stage, same[0] is a, same[-1] is a, prev, nxt))
+        own.append((a.kind, a.stage, first[(a.kind, a.stage)] == i, last[(a.kind, a.stage)] == i, prev, nxt))
     forward = {(a.stage, a.microbatch): k for a, k in zip(actions, own) if a.kind == "F"}
     # A backward's frees depend on where its microbatch's forward ran too: a send the runtime still holds
     # keeps that forward's output alive past its backward (torch's 1F1B keeps the last warm-up send it
@@ -198,8 +219,8 @@ def _label(action: str) -> tuple[str, int, int, int] | None:
 def templates(run: Traced, schedule: str, p: int, m: int, v: int, rank: int) -> dict[tuple, Template] | None:
     """Each action context's template in one traced run of pipeline rank ``rank`` of (``p``, ``m``); None
     when the run's compute actions are not the schedule's, or two instances of one context differ."""
-    expected = rank_actions(schedule, p, m, v)[rank]
-    keys = _keys(expected)
+    expected = list(_actions_of(schedule, p, m, v)[rank])
+    keys = list(_keys_of(schedule, p, m, v, rank))
     out: dict[tuple, Template] = {}
     i_of_step: dict[int, int] = {}
     for action, tpl in run.actions:
@@ -268,8 +289,8 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     m_a, m_b = virtual.microbatches
     to_virtual = _mapped(schedule, p, rank, v, virtual.degree, virtual.rank)
     to_real = {b: a for a, b in to_virtual.items()}
-    actions = rank_actions(schedule, p, m, v)[rank]
-    keys = _keys(actions)
+    actions = _actions_of(schedule, p, m, v)[rank]
+    keys = _keys_of(schedule, p, m, v, rank)
 
     live = run_b.start
     peak = live

@@ -394,3 +394,13 @@ def test_a_packed_batch_under_sdpa_warns_what_is_not_modelled_and_trains(tmp_pat
     with pytest.warns(UserWarning, match="packed-docs with --attn sdpa is not modelled"):
         trainer.train()
     assert trainer.state.global_step == 1 and cb.check is None
+
+
+def test_autoconfigure_refuses_pipeline_methods_the_trainer_cannot_run(tmp_path):
+    from llmem_plugin.errors import ConfigError
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match=r"methods \['pp'\]: pipeline parallelism does not run in the Hugging Face "
+                                          r"Trainer") as e:
+        autoconfigure(_model(), args, {"num_gpus": 4, "gpu": "h100-sxm"}, seq_len=SEQ, methods=["ddp", "pp"])
+    assert "\n" not in str(e.value)

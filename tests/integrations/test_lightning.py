@@ -391,3 +391,15 @@ def test_compare_after_one_step_waits_for_the_first_steady_state_step(tmp_path):
     assert steps[1]["allocated_bytes"] - pred == -(-16 * 32 * 8 // 512) * 512 + 4 * 512
     (row,) = _rows(tmp_path)
     assert row["predicted"]["tensor_bytes"] == meter.comparison.prediction.tensor_bytes
+
+
+def test_a_pipeline_candidate_is_reported_as_not_runnable_in_lightning(cuda_plan):
+    """A plan made with the pipeline methods (llmem plan) may pick pp: Lightning has no strategy for it."""
+    import dataclasses
+
+    from llmem_plugin.errors import ConfigError
+
+    p, model = cuda_plan
+    pipeline = dataclasses.replace(p.candidates[0], method="pp", pp=2)
+    with pytest.raises(ConfigError, match="pipeline parallelism does not run in Lightning's Trainer"):
+        lightning_strategy(p, pipeline, module=model)
