@@ -111,9 +111,9 @@ _GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuni
 _GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "four times the largest published training job")
 _NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
 _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
-# Composed from short runs above MAX_TRACED_MICRO_STEPS (256) (methods/pp_compose.py); 4096 one-row
-# microbatches are a 4096-sequence batch per data-parallel rank, beyond any fine-tuning recipe.
-_MICROBATCHES = _int_arg("--microbatches", 1, 4096, "sequences per data-parallel rank beyond any fine-tuning recipe")
+# At most llmem_plugin.step.MAX_TRACED_MICRO_STEPS (256): the rank holding the last stage traces every
+# microbatch (its returned outputs are not composed, methods/pp.py).
+_MICROBATCHES = _int_arg("--microbatches", 1, 256, "the last pipeline rank traces every microbatch")
 _PP = _int_arg("--pp", 2, _MAX_GPUS, "a pipeline of at least two ranks, at most one per GPU")
 _STAGES_PER_RANK = _int_arg("--stages-per-rank", 1, 16, "torchtitan's interleaved schedules use 2 to 4")
 _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
@@ -678,7 +678,7 @@ def _method_layouts(args: argparse.Namespace, names: list[str], layout):
     pairs = []
     for name in names:
         if name.startswith("pp"):
-            continue  # the pipeline methods trace every rank's every microbatch: named with --method only
+            continue  # the pipeline methods trace many microbatches per rank: named with --method only
         if name in _TP_DEGREE_METHODS:
             pairs += [(name, dataclasses.replace(layout, tp=d)) for d in degrees]
             if not degrees:

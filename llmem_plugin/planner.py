@@ -121,7 +121,8 @@ _TRAITS: dict[str, _Traits] = {
 # (The other schedules are estimated by ``llmem estimate --method``; the planner searches 1F1B, whose bubble
 # the cited model covers and whose stand-in pipelines are quick to find at any degree.)
 _PP = {"pp": ("1f1b", 1)}
-_MAX_PIPELINE_MICROBATCHES = 4096  # the CLI's --microbatches bound
+# The rank holding the last stage traces every microbatch (its returned outputs are not composed).
+_MAX_PIPELINE_MICROBATCHES = 256  # llmem_plugin.step.MAX_TRACED_MICRO_STEPS
 # Planner names that run a registry method with options.
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-offload": ("fsdp", {"cpu_offload": True}),
@@ -661,10 +662,9 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
                     optimizer_elements=ctx.trainable // ctx.layout.num_gpus, gpus_per_node=ctx.layout.gpus_per_node)
     st = step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
                    network=ctx.network, efficiency=ctx.efficiency)
-    # Pipeline neighbours are dp ranks apart (torchtitan's mesh, pipeline outermost): on another node once
-    # the data-parallel group fills a node.
-    dp = ctx.layout.num_gpus // cfg.pp
-    across = ctx.layout.num_nodes > 1 and dp >= ctx.layout.gpus_per_node
+    from llmem_plugin.methods.pp import pipeline_across_nodes
+
+    across = pipeline_across_nodes(ctx.layout)
     p2p_s = p2p / ((ctx.network.inter_node_gbps if across else ctx.network.intra_node_gbps) * 1e9)
     bubble = pipeline_bubble_s(st.compute_s, degree=cfg.pp, microbatches=m, stages_per_rank=v)
     return dataclasses.replace(st, comm_s=st.comm_s + p2p_s, exposed_comm_s=st.exposed_comm_s + p2p_s,
@@ -678,8 +678,10 @@ def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _P
     _, v = _PP[cfg.method]
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
-    # The method reports its P2P volume with the FSDP2 ring's (inter-node whenever the job spans nodes).
-    if ctx.layout.num_nodes > 1:
+    # The method reports its P2P volume with the FSDP2 ring's, on the link pipeline neighbours share.
+    from llmem_plugin.methods.pp import pipeline_across_nodes
+
+    if pipeline_across_nodes(ctx.layout):
         fsdp_intra, fsdp_cross = est.comm_intra_node_bytes, max(est.comm_inter_node_bytes - p2p, 0)
     else:
         fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - p2p, 0), est.comm_inter_node_bytes

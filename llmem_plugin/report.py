@@ -405,7 +405,7 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
         chosen = c is plan.choice
         table.add_row(
             "*" if chosen else ("" if c.fits else "x"),
-            c.method + (f" pp{c.pp}" if c.pp > 1 else ""), str(c.tp), str(c.micro_batch), str(c.grad_accum),
+            c.method + (str(c.pp) if c.pp > 1 else ""), str(c.tp), str(c.micro_batch), str(c.grad_accum),
             "yes" if c.grad_checkpointing else "",
             c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes),
             gib(c.host_bytes_per_node) + ("" if c.host_fits else " (over)"), f"{c.step_time_s:.3g}",

@@ -45,7 +45,8 @@ from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stag
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import AttentionImpl, LossImpl, OptimizerKind, Runner, Workload
 
-__all__ = ["PRESETS", "estimate", "pipeline_mesh", "segment_peaks", "shard_stage", "stage_specs", "torchtitan_sections",
+__all__ = ["PRESETS", "estimate", "pipeline_across_nodes", "pipeline_mesh", "segment_peaks", "shard_stage",
+           "stage_specs", "torchtitan_sections",
            "trace_rank"]
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -324,7 +325,8 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
 
     The tensor peak is the composition's. The allocated peak adds the longer run's allocator overhead over
     its tensor peak (cuBLAS workspaces, rounding). The reserved peak is the longer run's plus the segments
-    the extra bytes need (a bound: the allocator's replay of the composed stream is not run)."""
+    the extra bytes need (an approximation: the allocator's replay of the composed stream is not run; the
+    rank holding the last stage with ``return_outputs`` is not composed, see :func:`estimate`)."""
     from llmem_plugin.methods.pp_schedule import stages_of_rank as _stages
 
     p, v, m = pipeline_degree, stages_per_rank, microbatches
@@ -383,6 +385,13 @@ def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipe
         host_bytes=longer.host_bytes, host_overheads=dict(longer.host_overheads),
         phase_allocated={ph: v_ + overhead for ph, v_ in comp.phase_peaks.items()},
     ), comp.segment_peaks
+
+
+def pipeline_across_nodes(layout: Layout) -> bool:
+    """Whether the P2P between pipeline neighbours runs at the network's pace: the pipeline is the mesh's
+    outermost dimension (torchtitan), so on more than one node some neighbours straddle a node boundary,
+    and every microbatch crosses it; the schedule advances at its slowest link."""
+    return layout.num_nodes > 1
 
 
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
@@ -556,12 +565,22 @@ def estimate(
             overheads_of[sizes] = device_overheads(target.compute_capability, torch_version=torch_version,
                                                    uses_cublaslt=uses_cublaslt(probe), nccl_world_sizes=sizes)
 
-        virtual = virtual_pipeline(schedule, p, m, v, r // dp) if compose else None
+        # The rank holding the last stage keeps every microbatch's logits until the step concatenates them
+        # (return_outputs): the allocator's cache fragments in proportion to m there, which the composition's
+        # reserved bound misses (measured: Llama-3.1-8B, 4 ranks, 32 microbatches, 12% under on that rank;
+        # benchmarks/results/pp-compose-2026-11-28.jsonl). It is traced in full.
+        holds_logits = return_outputs and any(sp.last for sp in mine)
+        virtual = virtual_pipeline(schedule, p, m, v, r // dp) if compose and not holds_logits else None
+
+        def too_many(r: int = r) -> UnsupportedError:
+            why = ("holds the last stage's logits of every microbatch (return_outputs), which is not composed"
+                   if holds_logits else "cannot be composed from shorter runs")
+            return UnsupportedError(f"--method {preset}: pipeline rank {r // dp} {why}, and tracing all {m} "
+                                    f"microbatches is refused above {MAX_TRACED_MICRO_STEPS}. HINT: pass "
+                                    f"--microbatches {MAX_TRACED_MICRO_STEPS} or fewer")
+
         if virtual is None and m > MAX_TRACED_MICRO_STEPS:
-            raise UnsupportedError(f"--method {preset}: pipeline rank {r // dp}'s {m} microbatches cannot be "
-                                   f"composed from shorter runs and tracing them all is refused above "
-                                   f"{MAX_TRACED_MICRO_STEPS}. HINT: pass --microbatches {MAX_TRACED_MICRO_STEPS} "
-                                   "or fewer (a multiple of the pipeline degree for interleaved schedules)")
+            raise too_many()
 
         def row(specs_: list[StageSpec], r: int = r, sizes: tuple[int, ...] = sizes, virtual: Any = virtual
                 ) -> tuple[RankMemory, dict[str, int]]:
@@ -573,6 +592,8 @@ def estimate(
                 if got is not None:
                     composed_ranks.append(r)
                     return got
+                if m > MAX_TRACED_MICRO_STEPS:
+                    raise too_many()
             streams: dict[int, int] = {}
             segments: list[tuple[str, int]] = []
             trace = trace_rank(model, wl, specs_, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
@@ -634,7 +655,7 @@ def estimate(
         intra += fsdp_bytes
     else:
         inter += fsdp_bytes
-    if layout.num_nodes > 1:
+    if pipeline_across_nodes(layout):
         inter += p2p
     else:
         intra += p2p

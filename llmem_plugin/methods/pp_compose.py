@@ -30,8 +30,10 @@ Templates whose two runs differ are affine in ``m`` between them.
 
 Checked against full traces of the real rank (tests/methods/test_pp_compose.py);
 where the real schedule needs an action context the small runs never showed,
-or two instances of one context disagree, :func:`compose` returns None and the
-rank is traced in full.
+two instances of one context end at different live bytes (their peaks may
+differ: the higher is kept), or an action other than the step's start and its
+last action's tail differs between the two runs, :func:`compose` returns None
+and the rank is traced in full.
 """
 
 from __future__ import annotations
@@ -248,11 +250,13 @@ def templates(run: Traced, schedule: str, p: int, m: int, v: int, rank: int) -> 
     return out
 
 
-def _between(a: Template, b: Template, m_a: int, m_b: int, m: int) -> Template | None:
-    """The template at ``m`` from its values at ``m_a`` and ``m_b`` (affine; rounded up)."""
+def _between(a: Template, b: Template, m_a: int, m_b: int, m: int, per_microbatch: bool) -> Template | None:
+    """The template at ``m`` from its values at ``m_a`` and ``m_b``: equal ones as they are; affine (rounded
+    up) only where the action handles every microbatch at once (``per_microbatch``: the step's start, the
+    step's last action's tail); None otherwise."""
     if a == b:
         return a
-    if [n for n, _, _ in a.parts] != [n for n, _, _ in b.parts]:
+    if not per_microbatch or [n for n, _, _ in a.parts] != [n for n, _, _ in b.parts]:
         return None
 
     def at(x: int, y: int) -> int:
@@ -297,12 +301,12 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     segments: dict[str, int] = {}
     phases: dict[str, int] = {}
 
-    def play(name: str, key: tuple, kind: str) -> bool:
+    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False) -> bool:
         nonlocal live, peak
         a, b = tpl_a.get(key), tpl_b.get(key)
-        if a is None and b is None:
+        if a is None or b is None:  # a context both runs must show, to tell a constant from a trend
             return False
-        tpl = _between(a, b, m_a, m_b, m) if a is not None and b is not None else (a or b)
+        tpl = _between(a, b, m_a, m_b, m, per_microbatch)
         if tpl is None:
             return False
         for part, high, end in tpl.parts:
@@ -316,12 +320,13 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
         return True
 
     for it in range(iterations):
-        if not play(f"step:{it}", (f"step:{it}",), "step"):
+        if not play(f"step:{it}", (f"step:{it}",), "step", per_microbatch=True):
             return None
-        for a, key in zip(actions, keys):
+        for i, (a, key) in enumerate(zip(actions, keys)):
             vk = _relabel(key, to_virtual)
             for kind in (a.kind, f"after-{a.kind}"):
-                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind):
+                tail = kind.startswith("after-") and i == len(actions) - 1
+                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind, per_microbatch=tail):
                     return None
         if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
             return None
