@@ -707,7 +707,12 @@ _TP_PLAN = {"tp": "torchtitan", "dp-tp": "torchtitan", "fsdp-tp": "torchtitan", 
 
 
 class _BatchError(ConfigError):
-    """The global batch does not split over a configuration's ranks."""
+    """The global batch does not split over a configuration's ranks (``hint``: the fix, when not the
+    data-parallel split's)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> int:
@@ -718,12 +723,15 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     if ctx.global_batch % dp:
         raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
     if pinned not in (None, 1):
-        raise _BatchError(f"pipeline candidates run one-row microbatches, not --micro-batch {pinned}")
+        raise _BatchError(f"pipeline candidates run one-row microbatches, not --micro-batch {pinned}",
+                          "leave --micro-batch out (or 1) to plan pipeline methods")
     m = ctx.global_batch // dp
     if m < cfg.pp:
-        raise _BatchError(f"{m} microbatches per step are fewer than the {cfg.pp} pipeline stages")
+        raise _BatchError(f"{m} microbatches per step are fewer than the {cfg.pp} pipeline stages",
+                          f"pass a --global-batch of at least {cfg.pp * dp} ({cfg.pp} per data-parallel rank)")
     if m > _MAX_PIPELINE_MICROBATCHES:
-        raise _BatchError(f"{m} microbatches per step are more than the {_MAX_PIPELINE_MICROBATCHES} estimated")
+        raise _BatchError(f"{m} microbatches per step are more than the {_MAX_PIPELINE_MICROBATCHES} estimated",
+                          f"pass a --global-batch of at most {_MAX_PIPELINE_MICROBATCHES * dp}")
     if schedule == "interleaved-1f1b" and m % cfg.pp:
         raise _BatchError(f"{m} microbatches per step are not a multiple of the {cfg.pp} pipeline ranks")
     return m
@@ -1137,7 +1145,7 @@ def plan(
             _micro_batch_plan(ctx, cfg, micro_batch)
         except _BatchError as e:
             skipped.append((_cfg_label(cfg), str(e)))
-            batch_errors.append(str(e))
+            batch_errors.append(e)
             continue
         for g in gcs:
             need = _memory_bound(ctx, cfg, g, profiles)
@@ -1148,8 +1156,10 @@ def plan(
             else:
                 units.append((cfg, g))
     if todo and len(batch_errors) == len(todo):
-        raise ConfigError(f"{batch_errors[0]}. HINT: pass a --global-batch that is a multiple of the GPU count"
-                          + (" and a --micro-batch that divides it" if micro_batch else ""))
+        first = batch_errors[0]
+        raise ConfigError(f"{first}. HINT: " + (first.hint or "pass a --global-batch that is a multiple of the GPU "
+                                                "count" + (" and a --micro-batch that divides it" if micro_batch
+                                                           else "")))
     bound = {u: _time_bound(ctx, u[0], u[1], profiles) for u in units}
     units.sort(key=bound.__getitem__)
     pending = list(units)
@@ -1344,6 +1354,9 @@ def _inapplicable_line(names: list[str], layout: Layout, skipped: list[tuple[str
             why = said[name]
         elif name == "single":
             why = f"runs on one GPU, not {layout.num_gpus}"
+        elif name in _PP:
+            why = (f"has no pipeline degree for {layout.num_gpus} GPU(s) (a divisor from 2 with at least one decoder "
+                   "layer per stage)")
         elif layout.num_gpus == 1:
             why = ("needs at least 2 GPUs (on one GPU its step is the single-GPU step)" if not t.tp_family
                    else "needs at least 2 GPUs to split the layers over")

@@ -55,3 +55,16 @@ def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
                            gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
                            fast=not other.verified)
     assert other.device_total_bytes == fast.worst.device_total_bytes
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"micro_batch": 2}, r"one-row microbatches, not --micro-batch 2\. HINT: leave --micro-batch out"),
+    ({"global_batch": 2}, r"fewer than the 2 pipeline stages\. HINT: pass a --global-batch of at least 4"),
+])
+def test_pipeline_batch_errors_name_their_own_fix(kwargs, match):
+    from llmem_plugin.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match) as e:
+        plan(tiny_config("llama", num_hidden_layers=8), gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"],
+             **kwargs)
+    assert "\n" not in str(e.value)
