@@ -38,7 +38,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.methods.pp_compose import VirtualPipeline, compose_runs, virtual_pipeline
+from llmem_plugin.methods.pp_compose import VirtualPipeline, compose_runs, stand_in_stages, virtual_pipeline
 from llmem_plugin.methods.pp_schedule import SCHEDULES, SINGLE_STAGE, V_SHAPED, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
 from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
@@ -327,11 +327,8 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     its tensor peak (cuBLAS workspaces, rounding). The reserved peak is the longer run's plus the segments
     the extra bytes need (an approximation: the allocator's replay of the composed stream is not run; the
     rank holding the last stage with ``return_outputs`` is not composed, see :func:`estimate`)."""
-    from llmem_plugin.methods.pp_schedule import stages_of_rank as _stages
-
     p, v, m = pipeline_degree, stages_per_rank, microbatches
-    to = dict(zip(sorted(_stages(schedule, p, rank // dp, v)), sorted(_stages(schedule, virtual.degree,
-                                                                             virtual.rank, v))))
+    to = stand_in_stages(schedule, p, rank // dp, v, virtual)
     vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
     # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
     # checkpointing pattern by layer index keeps the layers' positions in the key).

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from llmem_plugin.methods.pp_schedule import Chunk, rank_actions, stages_of_rank
 
-__all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "cut", "templates", "virtual_pipeline"]
+__all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "cut", "stand_in_stages", "templates",
+           "virtual_pipeline"]
 
 # Ranks of the small pipeline: the first, a middle one with a warm-up of three, and the last. Four is the
 # fewest for which a middle rank holds two forwards between others (1F1B's warm-up F-F-F context).
@@ -89,6 +90,11 @@ def _stage_kinds(schedule: str, p: int, rank: int, v: int) -> list[str]:
 
 def _mapped(schedule: str, p: int, rank: int, v: int, pt: int, r: int) -> dict[int, int]:
     return dict(zip(sorted(stages_of_rank(schedule, p, rank, v)), sorted(stages_of_rank(schedule, pt, r, v))))
+
+
+def stand_in_stages(schedule: str, p: int, rank: int, v: int, virtual: VirtualPipeline) -> dict[int, int]:
+    """Each global stage of pipeline rank ``rank`` -> the stage its stand-in (``virtual``) holds in its place."""
+    return _mapped(schedule, p, rank, v, virtual.degree, virtual.rank)
 
 
 @functools.lru_cache(maxsize=512)
@@ -291,7 +297,7 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     if run_a.start != run_b.start:
         return None
     m_a, m_b = virtual.microbatches
-    to_virtual = _mapped(schedule, p, rank, v, virtual.degree, virtual.rank)
+    to_virtual = stand_in_stages(schedule, p, rank, v, virtual)
     to_real = {b: a for a, b in to_virtual.items()}
     actions = _actions_of(schedule, p, m, v)[rank]
     keys = _keys_of(schedule, p, m, v, rank)
