@@ -35,11 +35,42 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     with real_process_groups_set_aside():
+        _clear_dtensor_caches()
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield
         finally:
             dist.destroy_process_group()
+            _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribution plans.
+
+    Their keys hold ``DTensorSpec``s, whose meshes compare equal when their
+    shapes, ranks and dimension names do (torch 2.13 device_mesh.py,
+    ``DeviceMesh.__eq__``), not their process groups: a plan cached under one
+    fake group would name that group's communicators inside the next one
+    ("Could not resolve the process group registered under the name ...")
+    once the group names move (another world size in between). The caches
+    are the C++ dispatch fast path's and torch/distributed/tensor/_sharding_prop.py's
+    ``ShardingPropagator.propagate_op_sharding`` (both cleared by
+    torch/distributed/tensor/debug's ``_clear_sharding_prop_cache``),
+    ``_propagate_tensor_meta_cached``, and _redistribute.py's
+    ``_gen_transform_infos`` and its planner cache.
+    """
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:  # nothing cached yet; the import costs half a second
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 @contextlib.contextmanager

@@ -113,16 +113,35 @@ def shard_stage(module: nn.Module, mesh: Any, param_dtype: torch.dtype | None) -
     fully_shard(module, mesh=mesh, mp_policy=mp)
 
 
-def pipeline_mesh(pipeline_degree: int, dp_shard: int) -> Any:
-    """torchtitan's mesh order, pipeline outermost: global rank = pipeline rank x dp_shard + shard rank."""
+def pipeline_mesh(pipeline_degree: int, dp_shard: int, tp: int = 1) -> Any:
+    """torchtitan's mesh order (torchtitan/distributed/parallel_dims.py: pp, dp_shard, tp), pipeline outermost
+    and tensor parallel innermost: global rank = (pipeline rank x dp_shard + shard rank) x tp + TP rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (pipeline_degree, dp_shard), mesh_dim_names=("pp", "dp_shard"))
+    if tp == 1:
+        return init_device_mesh("cpu", (pipeline_degree, dp_shard), mesh_dim_names=("pp", "dp_shard"))
+    return init_device_mesh("cpu", (pipeline_degree, dp_shard, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+
+
+def stage_tp_plan(module: nn.Module, config: Any) -> dict[str, Any]:
+    """:func:`llmem_plugin.methods.tp.tp_plan` (torchtitan's ``apply_tp`` layout, no sequence parallel) named
+    for one :class:`DecoderStage`, keeping the entries of the modules the stage holds: its decoder layers'
+    projections, and the embedding or the norm and head on the first or last stage. The stage's input and
+    output stay whole local tensors (the embedding's and the row-wise projections' outputs are all-reduced,
+    the head's logits gathered), so the schedule passes every TP rank the same ``b x s x h`` activations."""
+    from llmem_plugin.methods.tp import tp_plan
+
+    plan = {}
+    for key, style in tp_plan(config, sequence_parallel=False).items():
+        name = key.removeprefix("model.")
+        if getattr(module, name.split(".")[0], None) is not None:
+            plan[name] = style
+    return plan
 
 
 def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: int, pipeline_degree: int,
                schedule: str, microbatches: int, gpu: GPU, fake: bool = True, group: Any = None,
-               return_outputs: bool = True, dp_shard: int = 1, mesh: Any = None,
+               return_outputs: bool = True, dp_shard: int = 1, tp: int = 1, mesh: Any = None,
                prepare: Any = None, streams: dict[int, int] | None = None,
                segments: list[tuple[str, int]] | None = None) -> TraceResult:
     """Trace global ``rank``'s two training steps of its ``specs`` stages: on fake tensors under the fake
@@ -130,9 +149,11 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
     ground-truth runs use.
 
     Args:
-        dp_shard: FSDP2 degree inside each stage (1: none); the pipeline rank is ``rank // dp_shard``.
-        group: The real run's pipeline group (``fake=False``, ``dp_shard`` 1).
-        mesh: The real run's :func:`pipeline_mesh` (``fake=False``, ``dp_shard`` > 1).
+        dp_shard: FSDP2 degree inside each stage (1: none).
+        tp: Tensor-parallel degree inside each stage (:func:`stage_tp_plan`, applied before FSDP2 as
+            torchtitan's ``parallelize_llama`` does); the pipeline rank is ``rank // (dp_shard * tp)``.
+        group: The real run's pipeline group (``fake=False``, ``dp_shard`` and ``tp`` 1).
+        mesh: The real run's :func:`pipeline_mesh` (``fake=False``, ``dp_shard`` or ``tp`` > 1).
         prepare: Called with the stage modules once sharded (the real run's gloo collectives).
         streams: Filled with the side stream of each allocation FSDP2 makes off the default stream (its
             all-gather and reduce-scatter streams), by trace record index, for :func:`rank_memory`.
@@ -148,31 +169,53 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
     from llmem_plugin.methods._local_step import LocalShardStep
     from llmem_plugin.methods._rank_tracker import RankTracker
     from llmem_plugin.methods.fsdp import _materialize, _param_dtype, fsdp_instrumented
+    from llmem_plugin.methods.tp import _no_view_warnings, fakeify_sharded
     from llmem_plugin.step import make_optimizer
 
     sharded = dp_shard > 1
+    distributed = sharded or tp > 1  # DTensor parameters
     param_dtype = _param_dtype(workload, None) if sharded else None
 
     def run(inner: nn.Module, fake_mode: Any, pp_mesh: Any) -> TraceResult:
-        tracker = RankTracker(fake_mode) if sharded else MemoryTracker()
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tracker = RankTracker(fake_mode) if distributed else MemoryTracker()
         contexts = [cuda_emulation(autocast_dtype=None, compute_capability=gpu.compute_capability,
                                    num_sms=gpu.num_sms, mark=tracker.mark)]
         modules = None
         extra: dict[str, Any] = {}
-        if sharded:
+        if distributed:
             modules = stage_modules(inner, specs)
-            for m in modules:
-                shard_stage(m, pp_mesh["dp_shard"], param_dtype)
-            if fake_mode is not None:
+            if tp > 1:
+                embed, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+                tied = head is not None and head.weight is embed.weight
                 for m in modules:
-                    _materialize(m, fake_mode)
+                    parallelize_module(m, pp_mesh["tp"], stage_tp_plan(m, inner.config))
+                firsts = [m.embed_tokens for m in modules if m.embed_tokens is not None]
+                lasts = [m.lm_head for m in modules if m.lm_head is not None]
+                if tied and firsts and lasts:
+                    # A V schedule's rank holds both ends: each style replaced its own module's weight, both
+                    # Shard(0) on the vocabulary, so one DTensor serves both again (as methods/tp.py ties).
+                    lasts[0].weight = firsts[0].weight
+            if sharded:
+                for m in modules:
+                    shard_stage(m, pp_mesh["dp_shard"], param_dtype)
+            if fake_mode is not None:
+                if sharded:
+                    for m in modules:
+                        _materialize(m, fake_mode)
+                else:  # one pass over the rank's stages: the rotary module they share stays one
+                    fakeify_sharded(nn.ModuleList(modules), fake_mode)
                 extra["step"] = LocalShardStep()
-            for m in modules:
-                m._get_fsdp_state()._lazy_init()  # as fsdp's trace: the root's re-padding is no step's
+            if sharded:
+                for m in modules:
+                    m._get_fsdp_state()._lazy_init()  # as fsdp's trace: the root's re-padding is no step's
             if prepare is not None:
                 prepare(modules)
-            contexts += [isolated_sharding_propagation(), fsdp_instrumented(tracker, cpu_offload=False)]
-            extra["activation_dtype"] = param_dtype
+            contexts += [isolated_sharding_propagation(), _no_view_warnings()]
+            if sharded:
+                contexts.append(fsdp_instrumented(tracker, cpu_offload=False))
+                extra["activation_dtype"] = param_dtype
         starts: list[tuple[str, int]] = []
         iteration = [0]
 
@@ -182,13 +225,13 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
             name = f"{kind}:{iteration[0]}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
             starts.append((name, len(tracker._events)))
 
-        pp_group = pp_mesh["pp"].get_group() if sharded else group
+        pp_group = pp_mesh["pp"].get_group() if distributed else group
         result = run_rank(inner, specs, schedule=schedule, microbatches=microbatches,
                           micro_batch_size=workload.micro_batch_size, seq_len=workload.seq_len,
                           optimizer=lambda ps: make_optimizer(ps, workload.optimizer), tracker=tracker,
                           contexts=tuple(contexts), return_outputs=return_outputs, group=pp_group,
                           fake_mode=fake_mode, modules=modules, on_action=on_action, **extra)
-        if sharded and streams is not None:
+        if distributed and streams is not None:
             streams.update(tracker.stream_of)
         if segments is not None:
             # Positions among all recorded events -> among the device events the result keeps.
@@ -202,11 +245,11 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
 
     if not fake:
         return run(model.get_base_model() if hasattr(model, "get_base_model") else model, None, mesh)
-    with fake_process_group(world_size=pipeline_degree * dp_shard, rank=rank):
-        fake_mesh = pipeline_mesh(pipeline_degree, dp_shard) if sharded else None
+    with fake_process_group(world_size=pipeline_degree * dp_shard * tp, rank=rank):
+        fake_mesh = pipeline_mesh(pipeline_degree, dp_shard, tp) if distributed else None
         built = modelbuild.build_model(model, workload, device="meta")
         fake_mode = FakeTensorMode()
-        if not sharded:
+        if not distributed:
             modelbuild.fakeify(built, fake_mode)
         inner = built.get_base_model() if hasattr(built, "get_base_model") else built
         with tracing(f"pipeline rank {rank} of {type(inner).__name__} ({schedule})"):
@@ -318,8 +361,8 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
 
 def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: VirtualPipeline, *, rank: int,
                   pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
-                  return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None
-                  ) -> tuple[RankMemory, dict[str, int]] | None:
+                  return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None,
+                  tp: int = 1, vocab: int = 0) -> tuple[RankMemory, dict[str, int]] | None:
     """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
     named as a full trace names them; None where the composition does not apply (then trace in full).
 
@@ -328,34 +371,41 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     the extra bytes need (an approximation: the allocator's replay of the composed stream is not run; the
     rank holding the last stage with ``return_outputs`` is not composed, see :func:`estimate`)."""
     p, v, m = pipeline_degree, stages_per_rank, microbatches
-    to = stand_in_stages(schedule, p, rank // dp, v, virtual)
+    inner = dp * tp  # ranks per pipeline rank
+    tokens = wl.micro_batch_size * wl.seq_len
+    # One microbatch's bytes in the int64 ids and targets and in the logits (at most 4-byte elements, at least 2).
+    unit_bytes = math.gcd(tokens * 8, tokens * vocab * 2)
+    to = stand_in_stages(schedule, p, rank // inner, v, virtual)
     vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
     # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
     # checkpointing pattern by layer index keeps the layers' positions in the key).
-    key = (virtual, rank % dp, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
+    key = (virtual, rank % inner, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
            tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else ())
     if cache is not None and key in cache:
         traces, mems = cache[key]
-        return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, dp, gpu, alloc_conf, overheads)
+        return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
+                                 unit_bytes, return_outputs)
     traces, mems = [], []
     for mx in virtual.microbatches:
         streams: dict[int, int] = {}
         segments: list[tuple[str, int]] = []
-        trace = trace_rank(model, wl, vspecs, rank=virtual.rank * dp + rank % dp, pipeline_degree=virtual.degree,
-                           schedule=schedule, microbatches=mx, gpu=gpu, return_outputs=return_outputs, dp_shard=dp,
-                           streams=streams, segments=segments)
+        trace = trace_rank(model, wl, vspecs, rank=virtual.rank * inner + rank % inner,
+                           pipeline_degree=virtual.degree, schedule=schedule, microbatches=mx, gpu=gpu,
+                           return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams, segments=segments)
         traces.append((trace.events, segments))
         mems.append(rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf,
                                 streams=streams))
     if cache is not None:
         cache[key] = (traces, mems)
-    return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, dp, gpu, alloc_conf, overheads)
+    return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
+                             unit_bytes, return_outputs)
 
 
 def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
-                      m: int, v: int, rank: int, dp: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any
-                      ) -> tuple[RankMemory, dict[str, int]] | None:
-    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // dp)
+                      m: int, v: int, rank: int, inner: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any,
+                      unit_bytes: int = 0, return_outputs: bool = True) -> tuple[RankMemory, dict[str, int]] | None:
+    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, unit_bytes=unit_bytes,
+                        return_outputs=return_outputs)
     if comp is None:
         return None
     longer = mems[1]
@@ -392,15 +442,18 @@ def pipeline_across_nodes(layout: Layout) -> bool:
 
 
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
-                        micro_batch_size: int, seq_len: int) -> str:
+                        micro_batch_size: int, seq_len: int, tp: int = 1) -> str:
     """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
     ``pipeline_parallel_degree``, ``pipeline_parallel_schedule`` (torch's schedule class name),
-    ``pipeline_parallel_microbatch_size``, ``data_parallel_shard_degree``; ``[training]``
+    ``pipeline_parallel_microbatch_size``, ``data_parallel_shard_degree``, ``tensor_parallel_degree`` with
+    ``enable_sequence_parallel`` off as estimated; ``[training]``
     ``local_batch_size``, whose division by the microbatch size is the microbatch count, and ``seq_len``).
     torchtitan's default split is the one estimated (first and last stage one layer less)."""
     return (f'[parallelism] pipeline_parallel_degree = {pipeline_degree}, pipeline_parallel_schedule = '
             f'"{SCHEDULES[schedule]}", pipeline_parallel_microbatch_size = {micro_batch_size}, '
-            f'data_parallel_shard_degree = {dp_shard}; [training] local_batch_size = '
+            f'data_parallel_shard_degree = {dp_shard}'
+            + (f', tensor_parallel_degree = {tp}, enable_sequence_parallel = false' if tp > 1 else '')
+            + '; [training] local_batch_size = '
             f'{microbatches * micro_batch_size}, seq_len = {seq_len}')
 
 
@@ -457,14 +510,14 @@ def estimate(
     from llmem_plugin.overheads import device_overheads
 
     wl = workload if workload is not None else Workload()
-    if layout.tp != 1:
-        raise UnsupportedError(f"--method {preset} with --tp {layout.tp}: pipeline stages with tensor parallelism "
-                               "inside are not modelled yet. HINT: use --tp 1")
-    p = layout.num_gpus if pipeline_degree is None else pipeline_degree
-    if isinstance(p, bool) or not isinstance(p, int) or p < 2 or layout.num_gpus % p:
-        raise ConfigError(f"--method {preset}: pipeline degree {p!r} must be at least 2 and divide the "
-                          f"{layout.num_gpus} GPUs. HINT: pass --gpus N (and --pp K dividing N) with K >= 2")
-    dp = layout.num_gpus // p
+    tp = layout.tp
+    p = layout.num_gpus // tp if pipeline_degree is None else pipeline_degree
+    if isinstance(p, bool) or not isinstance(p, int) or p < 2 or layout.num_gpus % (p * tp):
+        with_tp = f" x --tp {tp}" if tp > 1 else ""
+        raise ConfigError(f"--method {preset}: pipeline degree {p!r}{with_tp} must be at least 2 and divide the "
+                          f"{layout.num_gpus} GPUs. HINT: pass --gpus N (and --pp K{with_tp} dividing N) with K >= 2")
+    inner = layout.num_gpus // p  # the ranks of one pipeline rank: FSDP2 shards x TP ranks
+    dp = inner // tp
     if wl.precision.autocast_dtype is not None and dp == 1:
         raise UnsupportedError(f"--method {preset} with --precision {wl.precision.value} and no data parallelism: "
                                "autocast around a pipeline schedule is not modelled (torchtitan runs mixed "
@@ -527,6 +580,7 @@ def estimate(
     probe = modelbuild.build_model(model, wl, device="meta")
     base = probe.get_base_model() if hasattr(probe, "get_base_model") else probe
     check_model(base.config, wl.seq_len)
+    layout.check_model(base.config)  # TP divides the heads, kv heads and widths
     num_layers = modelbuild.num_layers(base.config)
     specs = stage_specs(num_layers, p * v, split=split)
 
@@ -536,10 +590,12 @@ def estimate(
     if ranks is None:
         traced = []
         for pp_rank in range(p):
-            traced.append(pp_rank * dp)
+            traced.append(pp_rank * inner)  # TP ranks are alike (rank 0 holds the larger vocabulary shard)
             params = [q for mod in stage_modules(base, stages(pp_rank)) for q in mod.parameters()]
-            if dp > 1 and any(q.dim() and q.shape[0] % dp for q in params):
-                traced.append(pp_rank * dp + dp - 1)  # FSDP2 pads the last shards: its rank differs
+            # FSDP2 shards dim 0 of the TP-local tensor: the whole one (row-wise, replicated) or its 1/tp
+            # (column-wise, the vocabulary); either uneven pads the last shards, whose rank differs.
+            if dp > 1 and any(q.dim() and (q.shape[0] % dp or q.shape[0] // tp % dp) for q in params):
+                traced.append(pp_rank * inner + (dp - 1) * tp)
     else:
         traced = ranks
     overheads_of = {}
@@ -550,14 +606,14 @@ def estimate(
         if isinstance(r, bool) or not (isinstance(r, int) and 0 <= r < layout.num_gpus):
             raise ConfigError(f"rank {r!r} is not a rank of the {layout.num_gpus} GPUs. HINT: pass ranks 0 to "
                               f"{layout.num_gpus - 1}")
-        mine = stages(r // dp)
+        mine = stages(r // inner)
         stage_rank = {st: pr for pr in range(p) for st in stages_of_rank(schedule, p, pr, v)}
         neighbours = len({stage_rank[sp.index + d] for sp in mine for d in (-1, 1)
-                          if 0 <= sp.index + d < p * v} - {r // dp})
+                          if 0 <= sp.index + d < p * v} - {r // inner})
         # ProcessGroupNCCL: a P2P batch of one kind runs on a 2-rank communicator per peer rank, a mixed batch
         # on the pipeline group's (torch/distributed/pipelining/schedules.py, _warmup_p2p's note); FSDP2
-        # gathers and reduces over the data-parallel group.
-        sizes = (2,) * neighbours + (p,) + ((dp,) if dp > 1 else ())
+        # gathers and reduces over the data-parallel group, TP over its own.
+        sizes = (2,) * neighbours + (p,) + ((dp,) if dp > 1 else ()) + ((tp,) if tp > 1 else ())
         if sizes not in overheads_of:
             overheads_of[sizes] = device_overheads(target.compute_capability, torch_version=torch_version,
                                                    uses_cublaslt=uses_cublaslt(probe), nccl_world_sizes=sizes)
@@ -567,12 +623,12 @@ def estimate(
         # reserved bound misses (measured: Llama-3.1-8B, 4 ranks, 32 microbatches, 12% under on that rank;
         # benchmarks/results/pp-compose-2026-11-28.jsonl). It is traced in full.
         holds_logits = return_outputs and any(sp.last for sp in mine)
-        virtual = virtual_pipeline(schedule, p, m, v, r // dp) if compose and not holds_logits else None
+        virtual = virtual_pipeline(schedule, p, m, v, r // inner) if compose and not holds_logits else None
 
         def too_many(r: int = r) -> UnsupportedError:
             why = ("holds the last stage's logits of every microbatch (return_outputs), which is not composed"
                    if holds_logits else "cannot be composed from shorter runs")
-            return UnsupportedError(f"--method {preset}: pipeline rank {r // dp} {why}, and tracing all {m} "
+            return UnsupportedError(f"--method {preset}: pipeline rank {r // inner} {why}, and tracing all {m} "
                                     f"microbatches is refused above {MAX_TRACED_MICRO_STEPS}. HINT: pass "
                                     f"--microbatches {MAX_TRACED_MICRO_STEPS} or fewer")
 
@@ -583,7 +639,8 @@ def estimate(
                 ) -> tuple[RankMemory, dict[str, int]]:
             if virtual is not None:
                 got = _composed_row(model, wl, specs_, virtual, rank=r, pipeline_degree=p, schedule=schedule,
-                                    microbatches=m, stages_per_rank=v, dp=dp, gpu=target,
+                                    microbatches=m, stages_per_rank=v, dp=dp, tp=tp, gpu=target,
+                                    vocab=int(base.config.vocab_size),
                                     return_outputs=return_outputs, overheads=overheads_of[sizes], alloc_conf=config,
                                     cache=stand_in_runs)
                 if got is not None:
@@ -594,7 +651,7 @@ def estimate(
             streams: dict[int, int] = {}
             segments: list[tuple[str, int]] = []
             trace = trace_rank(model, wl, specs_, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
-                               gpu=target, return_outputs=return_outputs, dp_shard=dp, streams=streams,
+                               gpu=target, return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams,
                                segments=segments)
             return (rank_memory(trace, rank=r, gpu=target, overheads=overheads_of[sizes], alloc_conf=config,
                                 streams=streams), segment_peaks(trace, segments))
@@ -611,15 +668,18 @@ def estimate(
             rows.append(row(mine)[0])
     counts = [s.stop - s.start for s in specs]
     inside = f", each stage FSDP2-sharded over {dp} ranks (reshard_after_forward=False)" if dp > 1 else ""
+    if tp > 1:
+        inside += (f", tensor parallel {tp}-way inside each stage (torchtitan's plan without sequence parallel: "
+                   "stages pass whole activations)")
     notes = [f"torch.distributed.pipelining {SCHEDULES[schedule]}: {p} pipeline ranks x {v} stage(s){inside}, {m} "
              f"microbatches of {wl.micro_batch_size} row(s); decoder layers per stage {counts} "
              f"({split if isinstance(split, str) else 'given'}); step(return_outputs={return_outputs})",
              "chunks in flight at each pipeline rank's peak: " + ", ".join(
-                 f"rank {r}: {len(flight[r // dp])}" for r in traced)]
+                 f"rank {r}: {len(flight[r // inner])}" for r in traced)]
     # The interleaved schedules' stages per rank follow torchtitan's pipeline_parallel_layers_per_stage,
     # which this section does not set: only the one-stage and V schedules are written out.
     if split == "torchtitan" and (v == 1 or schedule in V_SHAPED):
-        notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, schedule=schedule,
+        notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, tp=tp, schedule=schedule,
                                                           microbatches=m, micro_batch_size=wl.micro_batch_size,
                                                           seq_len=wl.seq_len))
     if composed_ranks:
@@ -644,11 +704,24 @@ def estimate(
                     for pr in range(p))
         gather = 2 if wl.precision.autocast_dtype is not None else bytes_per
         reduce = 4 if wl.precision.autocast_dtype is not None else bytes_per
-        fsdp_bytes = numel * (gather + reduce) * (dp - 1) // dp
-    # Data-parallel ranks are consecutive (torchtitan's mesh: pipeline outermost), so the FSDP2 group stays
-    # inside a node when it fits one; pipeline neighbours are dp ranks apart.
-    intra, inter = 0, 0
-    if dp <= layout.gpus_per_node:
+        fsdp_bytes = numel // tp * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
+    # TP inside the stages (the plan without sequence parallel, NCCL ring volumes): per microbatch and decoder
+    # layer, the row-wise projections' outputs all-reduced forward (o_proj, down_proj) and the attention and
+    # MLP inputs' gradients backward, twice more where checkpointing recomputes the forward; the embedding's
+    # output all-reduced, the head's logits all-gathered and its input gradient all-reduced.
+    tp_bytes = 0
+    if tp > 1:
+        act = wl.micro_batch_size * wl.seq_len * hidden * bytes_per
+        layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
+                     for pr in range(p))
+        reduces = layers * (6 if wl.grad_checkpointing else 4) + 2
+        logits = wl.micro_batch_size * wl.seq_len * int(base.config.vocab_size) * bytes_per
+        tp_bytes = m * (reduces * act * 2 * (tp - 1) // tp + logits * (tp - 1) // tp)
+    # Data-parallel ranks are consecutive after the TP ranks (torchtitan's mesh: pipeline outermost, TP
+    # innermost), so the FSDP2 group stays inside a node when the stage's dp x tp ranks fit one; TP does;
+    # pipeline neighbours are dp x tp ranks apart.
+    intra, inter = tp_bytes, 0
+    if dp * tp <= layout.gpus_per_node:
         intra += fsdp_bytes
     else:
         inter += fsdp_bytes

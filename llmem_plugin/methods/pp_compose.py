@@ -256,10 +256,14 @@ def templates(run: Traced, schedule: str, p: int, m: int, v: int, rank: int) -> 
     return out
 
 
-def _between(a: Template, b: Template, m_a: int, m_b: int, m: int, per_microbatch: bool) -> Template | None:
+def _between(a: Template, b: Template, m_a: int, m_b: int, m: int, per_microbatch: bool, slack: int = 0
+             ) -> Template | None:
     """The template at ``m`` from its values at ``m_a`` and ``m_b``: equal ones as they are; affine (rounded
     up) only where the action handles every microbatch at once (``per_microbatch``: the step's start, the
-    step's last action's tail); None otherwise."""
+    step's last action's tail), raised by ``slack`` bytes there; None otherwise."""
+    if per_microbatch and slack:
+        a = Template(tuple((n, h + slack, e + slack) for n, h, e in a.parts))
+        b = Template(tuple((n, h + slack, e + slack) for n, h, e in b.parts))
     if a == b:
         return a
     if not per_microbatch or [n for n, _, _ in a.parts] != [n for n, _, _ in b.parts]:
@@ -269,6 +273,23 @@ def _between(a: Template, b: Template, m_a: int, m_b: int, m: int, per_microbatc
         return x + math.ceil((y - x) * (m - m_a) / (m_b - m_a))
 
     return Template(tuple((n, at(pa, pb), at(ea, eb)) for (n, pa, ea), (_, pb, eb) in zip(a.parts, b.parts)))
+
+
+def rounding_slack(proportional: int, m_a: int, m_b: int, m: int, *, unit_bytes: int) -> int:
+    """Bytes that cover the allocator's rounding of ``proportional`` tensors whose size is ``m x unit_bytes``
+    (the step's input ids, targets, the merged outputs) when extrapolated from ``m_a`` and ``m_b``.
+
+    Each is held in a block of ``ceil(m x unit / 512) x 512`` bytes (CUDACachingAllocator.cpp,
+    ``kMinBlockSize``), which is affine in ``m`` only when ``unit`` is a multiple of 512. Otherwise the line
+    through the rounded sizes at ``m_a`` and ``m_b`` runs below the size at ``m`` by less than
+    ``512 x (m - m_a) / (m_b - m_a)`` (its slope is off by up to 512 / (m_b - m_a) per microbatch, and the
+    size at ``m`` is up to 512 over ``m x unit``): that much is added per tensor, so the step is never
+    under."""
+    from llmem_plugin.allocator_config import MIN_BLOCK_SIZE
+
+    if not proportional or unit_bytes % MIN_BLOCK_SIZE == 0:
+        return 0
+    return proportional * MIN_BLOCK_SIZE * math.ceil((m - m_a) / (m_b - m_a))
 
 
 @dataclass(frozen=True)
@@ -289,10 +310,11 @@ def _phase(kind: str) -> str:
 
 def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict[tuple, Template]]],
             virtual: VirtualPipeline, schedule: str, p: int, m: int, v: int, rank: int,
-            iterations: int = 2) -> Composed | None:
+            iterations: int = 2, slack: tuple[int, int] = (0, 0)) -> Composed | None:
     """Replay pipeline rank ``rank`` of (``p``, ``m``) from its stand-in's two runs (:func:`templates` of
     each, at ``virtual.microbatches``); None where a context of the real schedule is missing from them or
-    the runs start apart."""
+    the runs start apart. ``slack``: bytes added to the step's start and to its last action's tail
+    (:func:`rounding_slack`)."""
     (run_a, tpl_a), (run_b, tpl_b) = runs
     if run_a.start != run_b.start:
         return None
@@ -307,12 +329,12 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     segments: dict[str, int] = {}
     phases: dict[str, int] = {}
 
-    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False) -> bool:
+    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False, extra: int = 0) -> bool:
         nonlocal live, peak
         a, b = tpl_a.get(key), tpl_b.get(key)
         if a is None or b is None:  # a context both runs must show, to tell a constant from a trend
             return False
-        tpl = _between(a, b, m_a, m_b, m, per_microbatch)
+        tpl = _between(a, b, m_a, m_b, m, per_microbatch, extra)
         if tpl is None:
             return False
         for part, high, end in tpl.parts:
@@ -326,13 +348,15 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
         return True
 
     for it in range(iterations):
-        if not play(f"step:{it}", (f"step:{it}",), "step", per_microbatch=True):
+        # Added at every step (a step's new inputs may be allocated while the last step's are still held).
+        if not play(f"step:{it}", (f"step:{it}",), "step", per_microbatch=True, extra=slack[0]):
             return None
         for i, (a, key) in enumerate(zip(actions, keys)):
             vk = _relabel(key, to_virtual)
             for kind in (a.kind, f"after-{a.kind}"):
                 tail = kind.startswith("after-") and i == len(actions) - 1
-                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind, per_microbatch=tail):
+                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind, per_microbatch=tail,
+                            extra=slack[1] if tail else 0):
                     return None
         if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
             return None
@@ -340,8 +364,13 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
 
 
 def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
-                 schedule: str, p: int, m: int, v: int, rank: int) -> Composed | None:
-    """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts)."""
+                 schedule: str, p: int, m: int, v: int, rank: int, *, unit_bytes: int = 0,
+                 return_outputs: bool = True) -> Composed | None:
+    """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts).
+
+    ``unit_bytes``: the greatest common divisor of one microbatch's bytes in the tensors that hold every
+    microbatch (the int64 ids and targets, the logits), for :func:`rounding_slack`: the first stage's rank
+    holds the step's ids, the last's its targets and, with ``return_outputs``, the merged logits."""
     cut_runs = []
     for (events, segments), mx in zip(runs, virtual.microbatches):
         run = cut(events, segments)
@@ -349,4 +378,9 @@ def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, in
         if tpl is None:
             return None
         cut_runs.append((run, tpl))
-    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank)
+    held = stages_of_rank(schedule, p, rank, v)
+    first, last = 0 in held, p * v - 1 in held
+    m_a, m_b = virtual.microbatches
+    slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=unit_bytes),
+             rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=unit_bytes))
+    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack)

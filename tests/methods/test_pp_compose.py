@@ -102,3 +102,45 @@ def test_estimate_composes_and_reports_it():
         # MiB of tens of GiB.)
         assert b.peak_reserved_bytes <= a.peak_reserved_bytes <= b.peak_reserved_bytes + 2 * 20 * 2**20 + 2 * 2**20
 
+
+
+def test_per_microbatch_inputs_that_round_unevenly_are_covered():
+    """seq 16 x 2 rows: the step's int64 ids take 256 bytes per microbatch, and their 512-byte block is not
+    affine in the microbatch count (9 and 10 microbatches both take 2560 bytes, 12 take 3072). The composed
+    first rank is never under its full trace, and over it by at most the rounding slack of its ids
+    (pp_compose.rounding_slack: 512 per extrapolated microbatch span, at each of the two steps)."""
+    from llmem_plugin.methods.pp_compose import rounding_slack
+
+    wl = Workload(seq_len=16, micro_batch_size=2, precision="fp32", optimizer="adamw")
+    specs = stage_specs(8, 4)
+    virtual = virtual_pipeline("1f1b", 4, 12, 1, 0)
+    runs = []
+    for mx in virtual.microbatches:
+        segments = []
+        t = trace_rank(_config(), wl, [specs[0]], rank=virtual.rank, pipeline_degree=virtual.degree,
+                       schedule="1f1b", microbatches=mx, gpu=H100, segments=segments)
+        runs.append((t.events, segments))
+    unit = 2 * 16 * 8
+    composed = compose_runs(runs, virtual, "1f1b", 4, 12, 1, 0, unit_bytes=unit)
+    full = trace_rank(_config(), wl, [specs[0]], rank=0, pipeline_degree=4, schedule="1f1b", microbatches=12,
+                      gpu=H100)
+    slack = rounding_slack(1, *virtual.microbatches, 12, unit_bytes=unit)
+    assert slack > 0
+    assert full.peak_bytes <= composed.peak <= full.peak_bytes + 2 * slack
+    # Without the slack the line through the rounded sizes runs under the full trace.
+    bare = compose_runs(runs, virtual, "1f1b", 4, 12, 1, 0, unit_bytes=512)
+    assert bare.peak < full.peak_bytes
+
+
+def test_tensor_parallel_stages_compose_as_traced_in_full():
+    """Pipeline 4 x TP 2 (8 GPUs): the composed ranks' tensor and allocated peaks equal full traces (which
+    equal real gloo runs: tests/methods/test_pp_tp.py)."""
+    layout = Layout(num_gpus=8, tp=2)
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16", optimizer="adamw")
+    composed = estimate_method("pp", _config(), wl, layout=layout, gpu=H100, microbatches=12)
+    full = estimate_method("pp", _config(), wl, layout=layout, gpu=H100, microbatches=12, compose=False)
+    assert [r.rank for r in composed.ranks] == [0, 2, 4, 6]
+    assert any(n.startswith("composed: ranks [0, 2, 4] ") for n in composed.notes)
+    for a, b in zip(composed.ranks, full.ranks):
+        assert (a.peak_tensor_bytes, a.peak_allocated_bytes) == (b.peak_tensor_bytes, b.peak_allocated_bytes)
+        assert b.peak_reserved_bytes <= a.peak_reserved_bytes
