@@ -483,20 +483,20 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
         # A pipeline rank's stage keeps its parameters whole and their gradients unreduced through the step:
         # FSDP2 inside it neither reshards after forward (torchtitan: not under pipelining) nor reduces
         # until the last microbatch (the schedule's requires_gradient_sync(False)); without FSDP2 the stage
-        # holds them anyway. Its stage is at least 1/p of the parameters.
-        held = 2 * params * p_bytes // cfg.pp
+        # holds them anyway. Its stage is at least 1/p of the parameters, and a TP rank's 1/tp of that.
+        held = 2 * params * p_bytes // (cfg.pp * cfg.tp)
     states = 0 if t.offload else trainable * _state_bytes_per_element(wl) // _shard(t.state_shard, layout, cfg.tp)
     return held + states
 
 
 def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
                    fast: bool) -> MethodEstimate:
+    lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
     if cfg.pp > 1:  # the workload's accumulation is the schedule's microbatch count
         wl1 = dataclasses.replace(wl, grad_accum_steps=1)
-        return estimate_method(cfg.method, model, wl1, layout=layout, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
+        return estimate_method(cfg.method, model, wl1, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
                                pipeline_degree=cfg.pp, microbatches=wl.grad_accum_steps)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
-    lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
     return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
 
 
@@ -652,12 +652,21 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
     """A pipeline candidate's step time: each rank computes its stage for its data-parallel share (one-row
     microbatches), idles for the schedule's bubble (:func:`llmem_plugin.cost.pipeline_bubble_s`), waits
     for each microbatch's activations and input gradients from its neighbours (P2P on the critical path:
-    not hidden), and overlaps FSDP2's one gather and one reduction per step with compute."""
+    not hidden), and overlaps FSDP2's one gather and one reduction per step with compute. TP inside the
+    stages splits each stage's compute tp ways and adds its collectives on the critical path (each layer's
+    all-reduces wait for the matmul before them and gate the one after)."""
+    from llmem_plugin.methods.pp import tensor_parallel_bytes
+
     schedule, v = _PP[cfg.method]
     m = _pipeline_microbatches(ctx, cfg, None)
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
-    work = StepWork(flops=profiles.flops(1, gc).scaled(m / cfg.pp), micro_steps=1, intra_only_bytes=round(fsdp_intra),
+    tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
+                                     vocab=int(ctx.config.vocab_size), layers=-(-modelbuild.num_layers(ctx.config)
+                                                                               // cfg.pp),
+                                     microbatches=m, tp=cfg.tp, bytes_per=es, recompute=gc)
+    work = StepWork(flops=profiles.flops(1, gc).scaled(m / (cfg.pp * cfg.tp)), micro_steps=1,
+                    intra_only_bytes=round(fsdp_intra),
                     cross_node_bytes=round(fsdp_cross), overlap=Overlap.FORWARD_BACKWARD,
                     optimizer_elements=ctx.trainable // ctx.layout.num_gpus, gpus_per_node=ctx.layout.gpus_per_node)
     st = step_time(work, gpu=ctx.gpu, precision=ctx.workload.precision, optimizer=ctx.workload.optimizer,
@@ -666,31 +675,35 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
 
     across = pipeline_across_nodes(ctx.layout)
     p2p_s = p2p / ((ctx.network.inter_node_gbps if across else ctx.network.intra_node_gbps) * 1e9)
+    tp_s = tp_bytes / (ctx.network.intra_node_gbps * 1e9)  # the TP group stays inside a node
     bubble = pipeline_bubble_s(st.compute_s, degree=cfg.pp, microbatches=m, stages_per_rank=v)
-    return dataclasses.replace(st, comm_s=st.comm_s + p2p_s, exposed_comm_s=st.exposed_comm_s + p2p_s,
-                               bubble_s=bubble), p2p
+    return dataclasses.replace(st, comm_s=st.comm_s + p2p_s + tp_s, exposed_comm_s=st.exposed_comm_s + p2p_s + tp_s,
+                               bubble_s=bubble), p2p + tp_bytes
 
 
 def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool) -> Candidate:
     """A pipeline candidate from its method's estimate at exactly its configuration (fast mode: the stages
     at 1 and 2 layers, extrapolated; the microbatches composed)."""
+    from llmem_plugin.methods.pp import pipeline_across_nodes
+
+    _, on_path = _pp_work(ctx, cfg, profiles, gc, 0.0, 0.0)
     m = _pipeline_microbatches(ctx, cfg, None)
     _, v = _PP[cfg.method]
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
-    # The method reports its P2P volume with the FSDP2 ring's, on the link pipeline neighbours share.
-    from llmem_plugin.methods.pp import pipeline_across_nodes
-
+    # The method reports its P2P volume and TP's (inside a node) with the FSDP2 ring's, the P2P on the link
+    # pipeline neighbours share: what is left is FSDP2's, overlapped with compute.
+    tp_bytes = on_path - p2p
     if pipeline_across_nodes(ctx.layout):
-        fsdp_intra, fsdp_cross = est.comm_intra_node_bytes, max(est.comm_inter_node_bytes - p2p, 0)
+        fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - tp_bytes, 0), max(est.comm_inter_node_bytes - p2p, 0)
     else:
-        fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - p2p, 0), est.comm_inter_node_bytes
+        fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - p2p - tp_bytes, 0), est.comm_inter_node_bytes
     st, _ = _pp_work(ctx, cfg, profiles, gc, fsdp_intra, fsdp_cross)
     w = est.worst
     host = est.host_total_bytes_per_node
     host_fits = not ctx.host_limit or host <= ctx.host_limit
     return Candidate(
-        method=cfg.method, tp=1, pp=cfg.pp, micro_batch=1, grad_accum=m, grad_checkpointing=gc, offload=None,
+        method=cfg.method, tp=cfg.tp, pp=cfg.pp, micro_batch=1, grad_accum=m, grad_checkpointing=gc, offload=None,
         device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
         peak_reserved_bytes=w.peak_reserved_bytes, limit_bytes=ctx.limit,
         fits=w.device_total_bytes <= ctx.limit and host_fits, verified=False, time=st,
@@ -719,7 +732,7 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     """The pipeline candidate's microbatch count: its data-parallel rank's share of the global batch, one
     row each (:data:`_PP`)."""
     schedule, _ = _PP[cfg.method]
-    dp = ctx.layout.num_gpus // cfg.pp
+    dp = ctx.layout.num_gpus // (cfg.pp * cfg.tp)
     if ctx.global_batch % dp:
         raise _BatchError(f"global batch {ctx.global_batch} is not a multiple of the {dp} data-parallel ranks")
     if pinned not in (None, 1):
@@ -867,7 +880,8 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     acts = profiles.point(1, gc).activations
     if ctx.workload.precision.autocast_dtype is not None:
         acts -= 2 * ctx.params
-    tp = cfg.tp if _TRAITS[cfg.method].tp_family else cfg.pp  # a pipeline rank: at least its stage's share
+    # A pipeline rank: at least its stage's share, and a TP rank's 1/tp of that.
+    tp = cfg.tp if _TRAITS[cfg.method].tp_family else cfg.pp * cfg.tp
     return (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
             + max(acts, 0) // tp)
 
@@ -962,7 +976,7 @@ def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) ->
     for name in names:
         t = _TRAITS[name]
         if name in _PP:
-            out += _pp_configs(ctx, name, skipped)
+            out += _pp_configs(ctx, name, skipped, [1, *degrees] if tps is None else tps)
             continue
         if name == "single":
             if layout.num_gpus == 1:
@@ -990,9 +1004,11 @@ def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) ->
     return out, skipped
 
 
-def _pp_configs(ctx: _Context, name: str, skipped: list[tuple[str, str]]) -> list[_Config]:
+def _pp_configs(ctx: _Context, name: str, skipped: list[tuple[str, str]], tps: list[int]) -> list[_Config]:
     """Pipeline degrees for ``name``: every divisor of the GPU count from 2 whose stages each keep a decoder
-    layer (``p * v`` stages over the model's layers), on a model the stages run."""
+    layer (``p * v`` stages over the model's layers), on a model the stages run; each with every degree of
+    ``tps`` (1: none) that divides a node's GPUs and the model's heads and widths, and leaves ``p x tp``
+    dividing the GPUs (FSDP2 over the rest)."""
     from llmem_plugin.methods.pp_stage import check_model
 
     try:
@@ -1002,8 +1018,21 @@ def _pp_configs(ctx: _Context, name: str, skipped: list[tuple[str, str]]) -> lis
         return []
     _, v = _PP[name]
     layers = modelbuild.num_layers(ctx.config)
-    n = ctx.layout.num_gpus
-    return [_Config(name, 1, p) for p in range(2, n + 1) if n % p == 0 and p * v <= layers]
+    layout = ctx.layout
+    n = layout.num_gpus
+    degrees = []
+    for d in sorted(set(tps)):
+        if d == 1:
+            degrees.append(d)
+            continue
+        try:
+            Layout(num_gpus=n, num_nodes=layout.num_nodes, tp=d).check_model(ctx.config)
+        except ConfigError as e:
+            skipped.append((f"{name} tp{d}", str(e).split(". HINT")[0]))
+            continue
+        degrees.append(d)
+    return [_Config(name, d, p) for d in degrees for p in range(2, n // d + 1)
+            if n % (p * d) == 0 and p * v <= layers]
 
 
 def _why(choice: Candidate, runner: Candidate | None) -> str:

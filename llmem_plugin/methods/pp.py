@@ -46,8 +46,7 @@ from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import AttentionImpl, LossImpl, OptimizerKind, Runner, Workload
 
 __all__ = ["PRESETS", "estimate", "pipeline_across_nodes", "pipeline_mesh", "segment_peaks", "shard_stage",
-           "stage_specs", "torchtitan_sections",
-           "trace_rank"]
+           "stage_specs", "stage_tp_plan", "tensor_parallel_bytes", "torchtitan_sections", "trace_rank"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "pp": {"schedule": "1f1b"},
@@ -441,6 +440,22 @@ def pipeline_across_nodes(layout: Layout) -> bool:
     return layout.num_nodes > 1
 
 
+def tensor_parallel_bytes(*, micro_batch: int, seq_len: int, hidden: int, vocab: int, layers: int, microbatches: int,
+                          tp: int, bytes_per: int, recompute: bool) -> int:
+    """Bytes one TP rank sends per step inside a stage of ``layers`` decoder layers (the plan without
+    sequence parallel, NCCL ring volumes: an all-reduce moves 2(t-1)/t of its buffer, an all-gather (t-1)/t
+    of the whole): per microbatch and layer, the row-wise projections' outputs all-reduced forward (o_proj,
+    down_proj) and the attention and MLP inputs' gradients backward, twice more where checkpointing
+    recomputes the forward; the embedding's output and the head's input gradient all-reduced, the head's
+    logits all-gathered (counted on one rank, an upper bound for the others)."""
+    if tp <= 1:
+        return 0
+    act = micro_batch * seq_len * hidden * bytes_per
+    reduces = layers * (6 if recompute else 4) + 2
+    logits = micro_batch * seq_len * vocab * bytes_per
+    return microbatches * (reduces * act * 2 * (tp - 1) // tp + logits * (tp - 1) // tp)
+
+
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
                         micro_batch_size: int, seq_len: int, tp: int = 1) -> str:
     """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
@@ -705,18 +720,11 @@ def estimate(
         gather = 2 if wl.precision.autocast_dtype is not None else bytes_per
         reduce = 4 if wl.precision.autocast_dtype is not None else bytes_per
         fsdp_bytes = numel // tp * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
-    # TP inside the stages (the plan without sequence parallel, NCCL ring volumes): per microbatch and decoder
-    # layer, the row-wise projections' outputs all-reduced forward (o_proj, down_proj) and the attention and
-    # MLP inputs' gradients backward, twice more where checkpointing recomputes the forward; the embedding's
-    # output all-reduced, the head's logits all-gathered and its input gradient all-reduced.
-    tp_bytes = 0
-    if tp > 1:
-        act = wl.micro_batch_size * wl.seq_len * hidden * bytes_per
-        layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
-                     for pr in range(p))
-        reduces = layers * (6 if wl.grad_checkpointing else 4) + 2
-        logits = wl.micro_batch_size * wl.seq_len * int(base.config.vocab_size) * bytes_per
-        tp_bytes = m * (reduces * act * 2 * (tp - 1) // tp + logits * (tp - 1) // tp)
+    layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
+                 for pr in range(p))
+    tp_bytes = tensor_parallel_bytes(micro_batch=wl.micro_batch_size, seq_len=wl.seq_len, hidden=hidden,
+                                     vocab=int(base.config.vocab_size), layers=layers, microbatches=m, tp=tp,
+                                     bytes_per=bytes_per, recompute=wl.grad_checkpointing)
     # Data-parallel ranks are consecutive after the TP ranks (torchtitan's mesh: pipeline outermost, TP
     # innermost), so the FSDP2 group stays inside a node when the stage's dp x tp ranks fit one; TP does;
     # pipeline neighbours are dp x tp ranks apart.

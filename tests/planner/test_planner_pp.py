@@ -30,36 +30,41 @@ def pp_plan():
 
 
 def test_pipeline_candidates_are_one_row_microbatches_of_each_ranks_share(pp_plan):
-    # 8 layers: pipeline degrees 2 (FSDP2 over 2 inside each stage) and 4; each data-parallel rank's share
-    # of the 8 sequences is its microbatch count.
-    got = sorted((c.pp, c.micro_batch, c.grad_accum) for c in pp_plan.candidates)
-    assert got == [(2, 1, 4), (4, 1, 8)]
+    # 8 layers: pipeline degrees 2 (FSDP2 over 2 inside each stage, or TP over 2) and 4; TP 4 does not divide
+    # the tiny model's 2 kv heads. Each data-parallel rank's share of the 8 sequences is its microbatch count.
+    got = sorted((c.pp, c.tp, c.micro_batch, c.grad_accum) for c in pp_plan.candidates)
+    assert got == [(2, 1, 1, 4), (2, 2, 1, 8), (4, 1, 1, 8)]
+    assert any(name == "pp tp4" for name, _ in pp_plan.skipped)
     for c in pp_plan.candidates:
         assert c.time.bubble_s == pytest.approx(pipeline_bubble_s(c.time.compute_s, degree=c.pp,
                                                                   microbatches=c.grad_accum))
         assert c.time.bubble_s > 0
-        assert c.label().startswith(f"pp{c.pp} ")
+        assert c.label().startswith(f"pp{c.pp} " + (f"tp{c.tp} " if c.tp > 1 else ""))
 
 
 def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
     c = pp_plan.choice
     assert c is not None and c.verified and c.pp in (2, 4)
     wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=c.grad_checkpointing)
-    est = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4),
+    est = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4, tp=c.tp),
                           gpu="h100-sxm", pipeline_degree=c.pp, microbatches=c.grad_accum)
     assert c.device_total_bytes == est.worst.device_total_bytes
     assert c.peak_allocated_bytes == est.worst.peak_allocated_bytes
     # The other one was screened from the method's fast mode at its own configuration.
-    other = next(x for x in pp_plan.candidates if x is not c)
-    fast = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4),
-                           gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
-                           fast=not other.verified)
-    assert other.device_total_bytes == fast.worst.device_total_bytes
+    for other in (x for x in pp_plan.candidates if x is not c):
+        wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=other.grad_checkpointing)
+        fast = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl,
+                               layout=Layout(num_gpus=4, tp=other.tp),
+                               gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
+                               fast=not other.verified)
+        assert other.device_total_bytes == fast.worst.device_total_bytes
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"micro_batch": 2}, r"one-row microbatches, not --micro-batch 2\. HINT: leave --micro-batch out"),
-    ({"global_batch": 2}, r"fewer than the 2 pipeline stages\. HINT: pass a --global-batch of at least 4"),
+    # Without TP: pipeline 2 x TP 2 would leave one data-parallel rank, whose share of 2 is enough.
+    ({"global_batch": 2, "tps": [1]},
+     r"fewer than the 2 pipeline stages\. HINT: pass a --global-batch of at least 4"),
 ])
 def test_pipeline_batch_errors_name_their_own_fix(kwargs, match):
     from llmem_plugin.errors import ConfigError
