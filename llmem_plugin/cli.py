@@ -611,6 +611,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
             skipped.append((name if lay.tp == 1 else f"{name} tp{lay.tp}", str(e).split(". HINT")[0]))
             continue
         rows.append(est)
+    if getattr(args, "plot", None) and rows:
+        _plot_ranks(rows[0], gpu, args.plot)
     if not rows:
         # On several GPUs, 'single' refuses for the GPU count alone: another method's reason says more.
         name, why = next((x for x in skipped if x[0] != "single" or num_gpus == 1), skipped[0])
@@ -641,6 +643,17 @@ def _cmd_methods(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_WONT_FIT
     return 0
+
+
+def _plot_ranks(est, gpu, path: str) -> None:
+    """One bar per reported rank of one method's estimate (a pipeline's ranks differ), by segment."""
+    from llmem_plugin.planner import rank_segments
+    from llmem_plugin.plot import plot_plan
+
+    worst = max(range(len(est.ranks)), key=lambda i: est.ranks[i].device_total_bytes)
+    plot_plan([(f"rank {r.rank}", rank_segments(r)) for r in est.ranks], capacity_bytes=gpu.capacity_bytes,
+              margin=0.0, chosen=worst, path=path,
+              title=f"{est.method} on {est.layout.num_gpus} x {gpu.name}: each rank's peak (framed: the worst)")
 
 
 _TP_METHODS = ("tp", "dp-tp", "fsdp-tp")
@@ -695,9 +708,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         _deepspeed_args(args)
     if args.method is not None or args.gpus not in (None, 1) or args.tp not in (None, 1) or args.nodes != 1 \
             or args.offload:
-        if args.plot:
-            raise ConfigError("--plot draws the single-GPU step. HINT: drop --method/--gpus/--tp/--nodes/--offload, "
-                              "or use `llmem plan --plot` for the methods")
+        if args.plot and args.method in (None, "all"):
+            raise ConfigError("--plot draws the single-GPU step, or each rank of one --method. HINT: name one "
+                              "--method, drop --gpus/--tp/--nodes/--offload, or use `llmem plan --plot`")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _cmd_methods(args)

@@ -52,8 +52,16 @@ from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontF
 from llmem_plugin.gpus import GPU
 from llmem_plugin.host import HostCapacity, resolve_host_memory
 from llmem_plugin.methods import Layout, MethodEstimate, estimate_method
+from llmem_plugin.overheads import CUDA_CONTEXT_BYTES
 from llmem_plugin.tracker import MemoryCategory
-from llmem_plugin.workload import LoraSpec, LossImpl, OptimizerKind, Precision, Quantization, Workload
+from llmem_plugin.workload import (
+    LoraSpec,
+    LossImpl,
+    OptimizerKind,
+    Precision,
+    Quantization,
+    Workload,
+)
 
 __all__ = ["DEFAULT_MARGIN", "Candidate", "Plan", "Suggestion", "plan"]
 
@@ -530,7 +538,15 @@ def _segments(est: MethodEstimate, allocated: int, reserved: int, activation_del
     from it), the rest of the allocated peak as temporaries (buffers,
     workspaces, transient tensors), then the allocator's slack and what lies
     outside it."""
-    w = est.worst
+    return rank_segments(est.worst, allocated, reserved, activation_delta)
+
+
+def rank_segments(w: Any, allocated: int | None = None, reserved: int | None = None,
+                  activation_delta: float = 0.0) -> dict[str, int]:
+    """One rank's (:class:`~llmem_plugin.methods.base.RankMemory`) bytes by the plan picture's segments, as
+    :func:`_segments` (allocated and reserved: the rank's own by default)."""
+    allocated = w.peak_allocated_bytes if allocated is None else allocated
+    reserved = w.peak_reserved_bytes if reserved is None else reserved
     seg = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "activations": 0}
     for key, v in w.breakdown.items():
         if key in _SEGMENT_OF:
@@ -875,15 +891,30 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     forward's saved tensors at micro-batch 1 (the single-GPU profile's,
     less the 16-bit weight copies autocast saves there, which engines that
     keep 16-bit parameters do not make; a TP rank holds at least 1/tp)."""
-    from llmem_plugin.overheads import CUDA_CONTEXT_BYTES
 
     acts = profiles.point(1, gc).activations
     if ctx.workload.precision.autocast_dtype is not None:
         acts -= 2 * ctx.params
     # A pipeline rank: at least its stage's share, and a TP rank's 1/tp of that.
     tp = cfg.tp if _TRAITS[cfg.method].tp_family else cfg.pp * cfg.tp
-    return (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
-            + max(acts, 0) // tp)
+    bound = (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
+             + max(acts, 0) // tp)
+    if cfg.pp > 1:
+        bound = max(bound, _last_stage_outputs_bound(ctx, cfg) + CUDA_CONTEXT_BYTES)
+    return bound
+
+
+def _last_stage_outputs_bound(ctx: _Context, cfg: _Config) -> int:
+    """Bytes the pipeline's last rank holds when its step ends: torch's schedule keeps every microbatch's
+    logits (``step(return_outputs=True)``, the default torchtitan keeps: the stage's ``output_chunks``) and
+    concatenates them while they are still held (``PipelineScheduleSingle.step`` -> ``_merge_outputs`` ->
+    ``merge_chunks``), two copies of the step's logits (gathered whole on every TP rank), with the
+    optimizer-state shard beside them."""
+    m = _pipeline_microbatches(ctx, cfg, None)
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    logits = m * ctx.workload.seq_len * int(ctx.config.vocab_size) * es
+    states = ctx.trainable * _state_bytes_per_element(ctx.workload) // ctx.layout.num_gpus
+    return 2 * logits + states
 
 
 def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> float:
@@ -1179,8 +1210,11 @@ def plan(
         for g in gcs:
             need = _memory_bound(ctx, cfg, g, profiles)
             if need > limit:
-                why = (f"needs at least {need / _GIB:.1f} GiB (states, context and the forward's saved "
-                       f"tensors at micro-batch 1) of the {limit / _GIB:.1f} GiB limit")
+                what = "states, context and the forward's saved tensors at micro-batch 1"
+                if cfg.pp > 1 and need == _last_stage_outputs_bound(ctx, cfg) + CUDA_CONTEXT_BYTES:
+                    what = ("its last rank keeps every microbatch's logits and concatenates them "
+                            "(step(return_outputs=True))")
+                why = f"needs at least {need / _GIB:.1f} GiB ({what}) of the {limit / _GIB:.1f} GiB limit"
                 skipped.append((_unit_label(cfg, g, gcs), why))
             else:
                 units.append((cfg, g))

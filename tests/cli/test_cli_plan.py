@@ -93,6 +93,30 @@ def test_without_gpu_flags_it_plans_for_this_machine_or_says_none_was_found(caps
     assert "no GPU found on this machine" in err and "--gpu" in err
 
 
+def test_estimate_plot_draws_each_rank_of_a_pipeline(capsys, tmp_path, monkeypatch):
+    """One bar per pipeline rank, the worst framed: the picture's data is each rank's own numbers."""
+    import llmem_plugin.plot as plot
+
+    drawn = {}
+    real = plot.plot_plan
+
+    def spy(rows, **kwargs):
+        drawn.update(rows=rows, **kwargs)
+        return real(rows, **kwargs)
+
+    monkeypatch.setattr(plot, "plot_plan", spy)
+    png = tmp_path / "ranks.png"
+    code, out, err = run(capsys, "estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "4",
+                         "--method", "pp", "--precision", "bf16", "--fast", "--json", "--plot", str(png))
+    assert code == 0, err
+    assert png.read_bytes()[:8] == PNG
+    ranks = json.loads(out)["methods"][0]["ranks"]
+    assert [label for label, _ in drawn["rows"]] == [f"rank {r['rank']}" for r in ranks]
+    totals = [sum(seg.values()) for _, seg in drawn["rows"]]
+    assert totals == [r["device_total_bytes"] for r in ranks]
+    assert drawn["chosen"] == max(range(len(ranks)), key=lambda i: ranks[i]["device_total_bytes"])
+
+
 def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
     png = tmp_path / "step.png"
     code, _, err = run(capsys, "estimate", "--model", model, "--seq-len", "256", "--plot", str(png))

@@ -249,7 +249,7 @@ def _contradiction_cases():
         _case([*E, "--task", "seq-cls", "--reference-model"], expect="reference"),
         _case([*E, "--task", "seq-cls", "--gpus", "2"], expect="one GPU only"),
         _case(["plan", "--model", "distilbert-sst2", "--gpus", "2", "--gpu", "h100-sxm"], expect="one GPU only"),
-        _case([*E, "--plot", "x.png", "--fast", "--method", "ddp"], expect="--plot"),
+        _case([*E, "--plot", "x.png", "--fast", "--method", "all"], expect="--plot"),
         _case([*E, "--plot", "x.png", "--gpus", "2"], expect="--plot"),
         _case([*E, "--plot", "/nonexistent_dir/x.png"], expect="/nonexistent_dir"),
         _case([*E, "--plot", "x.txt"], expect="x.txt"),

@@ -73,3 +73,26 @@ def test_pipeline_batch_errors_name_their_own_fix(kwargs, match):
         plan(tiny_config("llama", num_hidden_layers=8), gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"],
              **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_the_last_ranks_logits_bound_is_under_its_trace():
+    """The screen's bound for a pipeline's last rank (every microbatch's logits kept, then concatenated while
+    still held, beside the optimizer-state shard) never exceeds what a trace of that rank holds, and the
+    logits are most of it: the bound may skip a configuration only when the rank cannot fit."""
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.methods.pp import stage_specs, trace_rank
+    from llmem_plugin.planner import _Config, _Context, _last_stage_outputs_bound
+
+    cfg_model = tiny_config("llama", num_hidden_layers=8, vocab_size=16384)  # logits outweigh the tiny layers
+    wl = dataclasses.replace(WL, micro_batch_size=1)
+    ctx = _Context(model=cfg_model, config=cfg_model, workload=wl, layout=Layout(num_gpus=4), gpu=get_gpu("h100-sxm"),
+                   network=None,
+                   global_batch=32, limit=0, alloc_conf=None, efficiency=1.0, params=0, trainable=0)
+    m = 32 // 2  # pipeline 2 over 4 GPUs: two data-parallel ranks
+    bound = _last_stage_outputs_bound(ctx, _Config("pp", 1, 2))
+    logits = m * wl.seq_len * cfg_model.vocab_size * 4
+    assert bound == 2 * logits
+    last = trace_rank(cfg_model, wl, [stage_specs(8, 2)[1]], rank=1, pipeline_degree=2, schedule="1f1b",
+                      microbatches=m, gpu=get_gpu("h100-sxm"))
+    assert bound <= last.peak_bytes
+    assert bound >= 0.5 * last.peak_bytes
