@@ -1330,9 +1330,10 @@ def plan(
 
 
 def _cfg_label(cfg: _Config) -> str:
+    tp = f" tp{cfg.tp}" if cfg.tp > 1 else ""
     if cfg.pp > 1:
-        return f"{cfg.method}{cfg.pp}"
-    return f"{cfg.method} tp{cfg.tp}" if cfg.tp > 1 else cfg.method
+        return f"{cfg.method}{cfg.pp}{tp}"
+    return f"{cfg.method}{tp}"
 
 
 def _unit_label(cfg: _Config, gc: bool, gcs: list[bool]) -> str:
