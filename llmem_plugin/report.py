@@ -206,7 +206,7 @@ def render_estimate(est: Estimate, console: Console) -> None:
     mode = "fast (layer-extrapolated)" if est.fast else "full trace"
     console.print(f"per-phase peaks (GiB): {phases}")
     for note in est.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)  # notes quote TOML sections, "[parallelism]"
     console.print(f"{mode}, {est.seconds:.2f} s")
 
 
@@ -365,9 +365,9 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
     for est in rows:
         console.print(_method_host(est, host))
         for note in est.notes:
-            console.print(f"{est.method}: {note}")
+            console.print(f"{est.method}: {note}", markup=False)  # notes quote TOML sections, "[parallelism]"
     for name, why in skipped:
-        console.print(f"{name}: not applicable ({why})")
+        console.print(f"{name}: not applicable ({why})", markup=False)
 
 
 def _plan_rows(plan, show_all: bool) -> list:

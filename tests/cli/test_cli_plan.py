@@ -127,3 +127,13 @@ def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
     code, _, err = run(capsys, "estimate", "--model", model, "--seq-len", "256", "--fast", "--plot", str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == PNG
+
+
+def test_estimate_pipeline_with_tp_prints_torchtitans_sections(capsys):
+    """The notes quote torchtitan's TOML sections as written ("[parallelism]" is not console markup)."""
+    code, out, err = run(capsys, "estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "4", "--tp", "2",
+                         "--method", "pp", "--precision", "bf16", "--fast")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "[parallelism] pipeline_parallel_degree = 2," in text
+    assert "tensor_parallel_degree = 2, enable_sequence_parallel = false; [training] local_batch_size = 2" in text
