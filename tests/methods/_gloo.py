@@ -48,3 +48,25 @@ def run_gloo(tmp_path, worker_source: str, *, world: int, env: dict[str, str] | 
     outs = [p.communicate(timeout=timeout) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(err[-2000:] for _, err in outs)
     return [out for out, _ in outs]
+
+
+def settle_functional_waits(pause_s: float = 0.003) -> None:
+    """In a gloo worker: pause briefly after each functional collective's wait.
+
+    gloo's worker thread wakes the waiter first and drops its reference to the
+    finished work's tensors just after; the pause lets it, so a collective's
+    buffers are freed where the main thread leaves them (as NCCL's work
+    releases them at ``wait()``), not by thread timing.
+    """
+    import time
+
+    import torch.distributed._functional_collectives as funcol
+
+    wait = funcol.wait_tensor
+
+    def wait_and_settle(t):
+        out = wait(t)
+        time.sleep(pause_s)
+        return out
+
+    funcol.wait_tensor = wait_and_settle

@@ -28,10 +28,9 @@ def _config():
 
 
 _WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, sys
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     sys.path.insert(0, os.environ["REPO"])
     from llmem_plugin import modelbuild
     from llmem_plugin.gpus import get_gpu
@@ -39,14 +38,8 @@ _WORKER = textwrap.dedent("""
     from tests.methods._gloo_fsdp import use_gloo_collectives
     from tests.methods.test_pp_tp import CASES, M, P, TP, _config
 
-    # gloo's worker thread drops a finished collective's tensors a moment after waking the waiter; a pause
-    # after each wait lets it, so they are freed where the program leaves them (tests/methods/test_tp.py).
-    _wait = funcol.wait_tensor
-    def wait_and_settle(t):
-        out = _wait(t)
-        time.sleep(0.003)
-        return out
-    funcol.wait_tensor = wait_and_settle
+    from tests.methods._gloo import settle_functional_waits
+    settle_functional_waits()  # buffers freed where the program leaves them, not by gloo's thread timing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

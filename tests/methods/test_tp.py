@@ -376,18 +376,8 @@ _WORKER = textwrap.dedent("""
     dist.init_process_group("gloo")
     world = dist.get_world_size()
 
-    # gloo's worker thread wakes the waiter first and drops its reference to
-    # the finished work's tensors just after; a pause after each wait lets it,
-    # so a collective's buffers are freed where the main thread leaves them
-    # (as NCCL's work releases them at wait()), not by thread timing.
-    import time
-    import torch.distributed._functional_collectives as funcol
-    _wait = funcol.wait_tensor
-    def wait_and_settle(t):
-        out = _wait(t)
-        time.sleep(0.003)
-        return out
-    funcol.wait_tensor = wait_and_settle
+    from tests.methods._gloo import settle_functional_waits
+    settle_functional_waits()  # buffers freed where the program leaves them, not by gloo's thread timing
 
     out = {}
     for name, case in json.loads(os.environ["CASES"]).items():
