@@ -671,16 +671,17 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
     not hidden), and overlaps FSDP2's one gather and one reduction per step with compute. TP inside the
     stages splits each stage's compute tp ways and adds its collectives on the critical path (each layer's
     all-reduces wait for the matmul before them and gate the one after)."""
-    from llmem_plugin.methods.pp import tensor_parallel_bytes
+    from llmem_plugin.methods.pp import stage_specs, tensor_parallel_bytes
 
     schedule, v = _PP[cfg.method]
     m = _pipeline_microbatches(ctx, cfg, None)
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
+    # The deepest rank's decoder layers under torchtitan's split, as the method counts them.
+    layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
     tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
-                                     vocab=int(ctx.config.vocab_size), layers=-(-modelbuild.num_layers(ctx.config)
-                                                                               // cfg.pp),
-                                     microbatches=m, tp=cfg.tp, bytes_per=es, recompute=gc)
+                                     vocab=int(ctx.config.vocab_size), layers=layers, microbatches=m, tp=cfg.tp,
+                                     bytes_per=es, recompute=gc)
     work = StepWork(flops=profiles.flops(1, gc).scaled(m / (cfg.pp * cfg.tp)), micro_steps=1,
                     intra_only_bytes=round(fsdp_intra),
                     cross_node_bytes=round(fsdp_cross), overlap=Overlap.FORWARD_BACKWARD,
@@ -908,8 +909,9 @@ def _last_stage_outputs_bound(ctx: _Context, cfg: _Config) -> int:
     """Bytes the pipeline's last rank holds when its step ends: torch's schedule keeps every microbatch's
     logits (``step(return_outputs=True)``, the default torchtitan keeps: the stage's ``output_chunks``) and
     concatenates them while they are still held (``PipelineScheduleSingle.step`` -> ``_merge_outputs`` ->
-    ``merge_chunks``), two copies of the step's logits (gathered whole on every TP rank), with the
-    optimizer-state shard beside them."""
+    ``merge_chunks``), two copies of the step's logits (gathered whole on every TP rank), beside its
+    optimizer states (taken as an even 1/gpus share of all of them: the last stage may hold a little less
+    than 1/p of the model, which its whole parameters and unreduced gradients, left out here, outweigh)."""
     m = _pipeline_microbatches(ctx, cfg, None)
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     logits = m * ctx.workload.seq_len * int(ctx.config.vocab_size) * es

@@ -17,10 +17,13 @@ loss, and each schedule keeps a different number of microbatches in flight
 per rank (:mod:`llmem_plugin.methods.pp_schedule`). Every rank is reported,
 and the worst one decides the verdict.
 
-Scope (each refused in one line): pipeline only (data and tensor parallel
-degree 1: the world size is the pipeline degree); pure precisions (fp32,
-bf16, fp16: torchtitan runs mixed precision through FSDP, and autocast around
-a schedule is not modelled); Llama-family decoders; no gradient accumulation
+Inside each stage: tensor parallel (torchtitan's plan without sequence
+parallel) over ``--tp`` ranks of a node, then FSDP2 over the remaining
+``world / (pipeline degree x tp)`` ranks, as torchtitan composes them.
+
+Scope (each refused in one line): pure precisions without FSDP2 (fp32, bf16,
+fp16: torchtitan runs mixed precision through FSDP, and autocast around a
+schedule is not modelled); Llama-family decoders; no gradient accumulation
 outside the schedule (its microbatches are the accumulation); unpacked rows.
 """
 
@@ -372,8 +375,9 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     p, v, m = pipeline_degree, stages_per_rank, microbatches
     inner = dp * tp  # ranks per pipeline rank
     tokens = wl.micro_batch_size * wl.seq_len
-    # One microbatch's bytes in the int64 ids and targets and in the logits (at most 4-byte elements, at least 2).
-    unit_bytes = math.gcd(tokens * 8, tokens * vocab * 2)
+    # One microbatch's bytes in the int64 ids and targets, and in the logits (2- or 4-byte elements: a multiple
+    # of 512 at 2 bytes is one at 4).
+    unit_bytes = (tokens * 8, tokens * vocab * 2)
     to = stand_in_stages(schedule, p, rank // inner, v, virtual)
     vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
     # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
@@ -402,9 +406,10 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
 
 def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
                       m: int, v: int, rank: int, inner: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any,
-                      unit_bytes: int = 0, return_outputs: bool = True) -> tuple[RankMemory, dict[str, int]] | None:
-    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, unit_bytes=unit_bytes,
-                        return_outputs=return_outputs)
+                      unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True
+                      ) -> tuple[RankMemory, dict[str, int]] | None:
+    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, input_bytes=unit_bytes[0],
+                        output_bytes=unit_bytes[1], return_outputs=return_outputs)
     if comp is None:
         return None
     longer = mems[1]
@@ -498,9 +503,10 @@ def estimate(
         model: Model source, as :func:`llmem_plugin.modelbuild.build_model` takes.
         workload: ``micro_batch_size`` is one pipeline microbatch's rows.
         schedule: One of :data:`~llmem_plugin.methods.pp_schedule.SCHEDULES`.
-        pipeline_degree: Pipeline ranks (default: the world size). A smaller degree that divides it
-            shards each stage with FSDP2 over the ``world / pipeline_degree`` ranks of its data-parallel
-            group, as torchtitan composes them (:func:`shard_stage`).
+        pipeline_degree: Pipeline ranks (default: the world size over ``layout.tp``). With ``layout.tp`` > 1
+            each stage is tensor parallel over ``tp`` ranks (:func:`stage_tp_plan`); a pipeline x TP size
+            below the world size shards each stage with FSDP2 over the ``world / (pipeline_degree x tp)``
+            ranks of its data-parallel group, as torchtitan composes them (:func:`shard_stage`).
         microbatches: Microbatches per step (default: the pipeline degree).
         stages_per_rank: Stages per rank (1 for gpipe/1f1b, 2 for the V schedules, default 2 for the
             interleaved ones).
@@ -536,7 +542,7 @@ def estimate(
     if wl.precision.autocast_dtype is not None and dp == 1:
         raise UnsupportedError(f"--method {preset} with --precision {wl.precision.value} and no data parallelism: "
                                "autocast around a pipeline schedule is not modelled (torchtitan runs mixed "
-                               "precision through FSDP). HINT: use --precision bf16 or fp32, or --pp below --gpus")
+                               "precision through FSDP). HINT: use --precision bf16 or fp32, or --pp x --tp below --gpus")
     if wl.grad_accum_steps != 1:
         raise ConfigError(f"--method {preset} accumulates over its microbatches; --grad-accum "
                           f"{wl.grad_accum_steps} is not used. HINT: pass --microbatches instead")
@@ -569,6 +575,10 @@ def estimate(
     if dp > 1 and wl.optimizer is OptimizerKind.ADAFACTOR:
         raise UnsupportedError(f"torch.optim.Adafactor cannot step FSDP2's sharded parameters, so --method "
                                f"{preset} over {dp} data-parallel ranks cannot run it. HINT: use --optimizer adamw")
+    if tp > 1 and wl.optimizer is OptimizerKind.ADAFACTOR:
+        # Its factored row and column statistics over TP-sharded DTensors are not checked against a real run.
+        raise UnsupportedError(f"--method {preset} with --tp {tp} and --optimizer adafactor is not modelled (not "
+                               "checked against a real run). HINT: use --optimizer adamw")
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}. HINT: pick one")
     v = stages_per_rank if stages_per_rank is not None else _DEFAULT_STAGES_PER_RANK[schedule]
@@ -609,7 +619,7 @@ def estimate(
             params = [q for mod in stage_modules(base, stages(pp_rank)) for q in mod.parameters()]
             # FSDP2 shards dim 0 of the TP-local tensor: the whole one (row-wise, replicated) or its 1/tp
             # (column-wise, the vocabulary); either uneven pads the last shards, whose rank differs.
-            if dp > 1 and any(q.dim() and (q.shape[0] % dp or q.shape[0] // tp % dp) for q in params):
+            if dp > 1 and any(q.dim() and (q.shape[0] % dp or -(-q.shape[0] // tp) % dp) for q in params):
                 traced.append(pp_rank * inner + (dp - 1) * tp)
     else:
         traced = ranks
@@ -715,21 +725,24 @@ def estimate(
     # its gradients once (no sync until the last microbatch): ring volumes (dp - 1) / dp of each.
     fsdp_bytes = 0
     if dp > 1:
-        numel = max(sum(q.numel() for mod in stage_modules(base, stages(pr)) for q in mod.parameters())
+        def local(name: str, q: torch.Tensor) -> int:  # the TP plan keeps the norms replicated
+            return q.numel() if "norm" in name else -(-q.numel() // tp)
+
+        numel = max(sum(local(n, q) for mod in stage_modules(base, stages(pr)) for n, q in mod.named_parameters())
                     for pr in range(p))
         gather = 2 if wl.precision.autocast_dtype is not None else bytes_per
         reduce = 4 if wl.precision.autocast_dtype is not None else bytes_per
-        fsdp_bytes = numel // tp * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
+        fsdp_bytes = numel * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
     layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
                  for pr in range(p))
     tp_bytes = tensor_parallel_bytes(micro_batch=wl.micro_batch_size, seq_len=wl.seq_len, hidden=hidden,
                                      vocab=int(base.config.vocab_size), layers=layers, microbatches=m, tp=tp,
                                      bytes_per=bytes_per, recompute=wl.grad_checkpointing)
-    # Data-parallel ranks are consecutive after the TP ranks (torchtitan's mesh: pipeline outermost, TP
-    # innermost), so the FSDP2 group stays inside a node when the stage's dp x tp ranks fit one; TP does;
-    # pipeline neighbours are dp x tp ranks apart.
+    # A pipeline rank's dp x tp ranks are consecutive (torchtitan's mesh: pipeline outermost, TP innermost),
+    # so its FSDP2 group stays inside a node when those blocks tile the nodes; TP does (Layout keeps it in a
+    # node); pipeline neighbours are dp x tp ranks apart.
     intra, inter = tp_bytes, 0
-    if dp * tp <= layout.gpus_per_node:
+    if layout.gpus_per_node % inner == 0:
         intra += fsdp_bytes
     else:
         inter += fsdp_bytes

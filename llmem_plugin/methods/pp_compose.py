@@ -364,13 +364,13 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
 
 
 def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
-                 schedule: str, p: int, m: int, v: int, rank: int, *, unit_bytes: int = 0,
+                 schedule: str, p: int, m: int, v: int, rank: int, *, input_bytes: int = 0, output_bytes: int = 0,
                  return_outputs: bool = True) -> Composed | None:
     """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts).
 
-    ``unit_bytes``: the greatest common divisor of one microbatch's bytes in the tensors that hold every
-    microbatch (the int64 ids and targets, the logits), for :func:`rounding_slack`: the first stage's rank
-    holds the step's ids, the last's its targets and, with ``return_outputs``, the merged logits."""
+    ``input_bytes`` and ``output_bytes``: one microbatch's bytes in the tensors that hold every microbatch,
+    for :func:`rounding_slack`: the step's int64 ids (the first stage's rank) and targets (the last's), and
+    with ``return_outputs`` the last stage's merged logits."""
     cut_runs = []
     for (events, segments), mx in zip(runs, virtual.microbatches):
         run = cut(events, segments)
@@ -381,6 +381,6 @@ def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, in
     held = stages_of_rank(schedule, p, rank, v)
     first, last = 0 in held, p * v - 1 in held
     m_a, m_b = virtual.microbatches
-    slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=unit_bytes),
-             rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=unit_bytes))
+    slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=input_bytes),
+             rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=output_bytes))
     return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack)
