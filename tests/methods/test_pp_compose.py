@@ -132,29 +132,15 @@ def test_per_microbatch_inputs_that_round_unevenly_are_covered():
     assert bare.peak < full.peak_bytes
 
 
-def test_tensor_parallel_stages_compose_as_traced_in_full():
-    """Pipeline 4 x TP 2 (8 GPUs): the composed ranks' tensor and allocated peaks equal full traces (which
-    equal real gloo runs: tests/methods/test_pp_tp.py)."""
-    layout = Layout(num_gpus=8, tp=2)
-    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16", optimizer="adamw")
-    composed = estimate_method("pp", _config(), wl, layout=layout, gpu=H100, microbatches=12)
-    full = estimate_method("pp", _config(), wl, layout=layout, gpu=H100, microbatches=12, compose=False)
-    assert [r.rank for r in composed.ranks] == [0, 2, 4, 6]
-    assert any(n.startswith("composed: ranks [0, 2, 4] ") for n in composed.notes)
-    for a, b in zip(composed.ranks, full.ranks):
-        assert (a.peak_tensor_bytes, a.peak_allocated_bytes) == (b.peak_tensor_bytes, b.peak_allocated_bytes)
-        assert b.peak_reserved_bytes <= a.peak_reserved_bytes
-
-
 def test_tensor_parallel_and_fsdp_stages_compose_as_traced_in_full():
     """Pipeline 2 x FSDP2 2 x TP 2 (8 GPUs), a vocabulary of 514 rows: TP's 257-row shards split unevenly over
     FSDP2's 2 ranks, so each pipeline rank's last shard rank ((dp - 1) x tp after it) is traced too. The
     composed ranks' tensor and allocated peaks equal full traces."""
-    cfg = tiny_config("llama", num_hidden_layers=8, vocab_size=514)
+    cfg = tiny_config("llama", num_hidden_layers=4, vocab_size=514)
     layout = Layout(num_gpus=8, tp=2)
     wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed", optimizer="adamw")
-    composed = estimate_method("pp", cfg, wl, layout=layout, gpu=H100, pipeline_degree=2, microbatches=12)
-    full = estimate_method("pp", cfg, wl, layout=layout, gpu=H100, pipeline_degree=2, microbatches=12,
+    composed = estimate_method("pp", cfg, wl, layout=layout, gpu=H100, pipeline_degree=2, microbatches=8)
+    full = estimate_method("pp", cfg, wl, layout=layout, gpu=H100, pipeline_degree=2, microbatches=8,
                            compose=False)
     assert [r.rank for r in composed.ranks] == [0, 2, 4, 6]
     assert any(n.startswith("composed: ranks [0, 2] ") for n in composed.notes)
