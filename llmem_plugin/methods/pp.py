@@ -534,9 +534,13 @@ def estimate(
     tp = layout.tp
     p = layout.num_gpus // tp if pipeline_degree is None else pipeline_degree
     if isinstance(p, bool) or not isinstance(p, int) or p < 2 or layout.num_gpus % (p * tp):
-        with_tp = f" x --tp {tp}" if tp > 1 else ""
-        raise ConfigError(f"--method {preset}: pipeline degree {p!r}{with_tp} must be at least 2 and divide the "
-                          f"{layout.num_gpus} GPUs. HINT: pass --gpus N (and --pp K{with_tp} dividing N) with K >= 2")
+        n = layout.num_gpus
+        if tp > 1:
+            raise ConfigError(f"--method {preset}: pipeline degree {p!r} x --tp {tp} must divide the {n} GPUs, with "
+                              f"a pipeline degree of at least 2. HINT: pass --pp K with K >= 2 and K x {tp} dividing "
+                              f"{n}, or another --tp")
+        raise ConfigError(f"--method {preset}: pipeline degree {p!r} must be at least 2 and divide the {n} GPUs. "
+                          "HINT: pass --gpus N (and --pp K dividing N) with K >= 2")
     inner = layout.num_gpus // p  # the ranks of one pipeline rank: FSDP2 shards x TP ranks
     dp = inner // tp
     if wl.precision.autocast_dtype is not None and dp == 1:
