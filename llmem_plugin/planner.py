@@ -891,8 +891,9 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     optimizer-state shards (:func:`_lower_bound`), the CUDA context, and the
     forward's saved tensors at micro-batch 1 (the single-GPU profile's,
     less the 16-bit weight copies autocast saves there, which engines that
-    keep 16-bit parameters do not make; a TP rank holds at least 1/tp)."""
-
+    keep 16-bit parameters do not make; a TP rank holds at least 1/tp), and
+    for a pipeline the larger of that and its last rank's
+    (:func:`_last_stage_outputs_bound`)."""
     acts = profiles.point(1, gc).activations
     if ctx.workload.precision.autocast_dtype is not None:
         acts -= 2 * ctx.params
