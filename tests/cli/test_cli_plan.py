@@ -94,27 +94,36 @@ def test_without_gpu_flags_it_plans_for_this_machine_or_says_none_was_found(caps
 
 
 def test_estimate_plot_draws_each_rank_of_a_pipeline(capsys, tmp_path, monkeypatch):
-    """One bar per pipeline rank, the worst framed: the picture's data is each rank's own numbers."""
+    """One bar per pipeline rank (TP inside the stages), the worst framed: the picture's data is each rank's
+    own numbers. The notes quote torchtitan's TOML sections as written ("[parallelism]" is not markup)."""
+    import llmem_plugin.methods as methods
     import llmem_plugin.plot as plot
 
-    drawn = {}
-    real = plot.plot_plan
+    drawn, made = {}, []
+    real_plot, real_estimate = plot.plot_plan, methods.estimate_method
 
-    def spy(rows, **kwargs):
+    def spy_plot(rows, **kwargs):
         drawn.update(rows=rows, **kwargs)
-        return real(rows, **kwargs)
+        return real_plot(rows, **kwargs)
 
-    monkeypatch.setattr(plot, "plot_plan", spy)
+    def spy_estimate(*args, **kwargs):
+        made.append(real_estimate(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(plot, "plot_plan", spy_plot)
+    monkeypatch.setattr(methods, "estimate_method", spy_estimate)
     png = tmp_path / "ranks.png"
-    code, out, err = run(capsys, "estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "4",
-                         "--method", "pp", "--precision", "bf16", "--fast", "--json", "--plot", str(png))
+    code, out, err = run(capsys, "estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "4", "--tp", "2",
+                         "--method", "pp", "--precision", "bf16", "--fast", "--plot", str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == PNG
-    ranks = json.loads(out)["methods"][0]["ranks"]
-    assert [label for label, _ in drawn["rows"]] == [f"rank {r['rank']}" for r in ranks]
-    totals = [sum(seg.values()) for _, seg in drawn["rows"]]
-    assert totals == [r["device_total_bytes"] for r in ranks]
-    assert drawn["chosen"] == max(range(len(ranks)), key=lambda i: ranks[i]["device_total_bytes"])
+    ranks = made[0].ranks
+    assert [label for label, _ in drawn["rows"]] == [f"rank {r.rank}" for r in ranks] == ["rank 0", "rank 2"]
+    assert [sum(seg.values()) for _, seg in drawn["rows"]] == [r.device_total_bytes for r in ranks]
+    assert drawn["chosen"] == max(range(len(ranks)), key=lambda i: ranks[i].device_total_bytes)
+    text = " ".join(out.split())
+    assert "[parallelism] pipeline_parallel_degree = 2," in text
+    assert "tensor_parallel_degree = 2, enable_sequence_parallel = false; [training] local_batch_size = 2" in text
 
 
 def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
@@ -128,12 +137,3 @@ def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
     assert code == 0, err
     assert png.read_bytes()[:8] == PNG
 
-
-def test_estimate_pipeline_with_tp_prints_torchtitans_sections(capsys):
-    """The notes quote torchtitan's TOML sections as written ("[parallelism]" is not console markup)."""
-    code, out, err = run(capsys, "estimate", "--model", "qwen2.5-0.5b", "--seq-len", "64", "--gpus", "4", "--tp", "2",
-                         "--method", "pp", "--precision", "bf16", "--fast")
-    assert code == 0, err
-    text = " ".join(out.split())
-    assert "[parallelism] pipeline_parallel_degree = 2," in text
-    assert "tensor_parallel_degree = 2, enable_sequence_parallel = false; [training] local_batch_size = 2" in text
