@@ -671,17 +671,9 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
     not hidden), and overlaps FSDP2's one gather and one reduction per step with compute. TP inside the
     stages splits each stage's compute tp ways and adds its collectives on the critical path (each layer's
     all-reduces wait for the matmul before them and gate the one after)."""
-    from llmem_plugin.methods.pp import stage_specs, tensor_parallel_bytes
-
-    schedule, v = _PP[cfg.method]
+    _, v = _PP[cfg.method]
     m = _pipeline_microbatches(ctx, cfg, None)
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
-    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
-    # The deepest rank's decoder layers under torchtitan's split, as the method counts them.
-    layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
-    tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
-                                     vocab=int(ctx.config.vocab_size), layers=layers, microbatches=m, tp=cfg.tp,
-                                     bytes_per=es, recompute=gc)
+    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc)
     work = StepWork(flops=profiles.flops(1, gc).scaled(m / (cfg.pp * cfg.tp)), micro_steps=1,
                     intra_only_bytes=round(fsdp_intra),
                     cross_node_bytes=round(fsdp_cross), overlap=Overlap.FORWARD_BACKWARD,
@@ -698,19 +690,32 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
                                bubble_s=bubble), p2p + tp_bytes
 
 
+def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool) -> tuple[int, int]:
+    """(P2P, TP) bytes a pipeline candidate's rank sends per step on the critical path: each microbatch's
+    activations and input gradients per stage, and TP's collectives over the deepest rank's decoder layers
+    under torchtitan's split, as the method counts them (:func:`llmem_plugin.methods.pp.tensor_parallel_bytes`)."""
+    from llmem_plugin.methods.pp import stage_specs, tensor_parallel_bytes
+
+    _, v = _PP[cfg.method]
+    m = _pipeline_microbatches(ctx, cfg, None)
+    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
+    layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
+    tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
+                                     vocab=int(ctx.config.vocab_size), layers=layers, microbatches=m, tp=cfg.tp,
+                                     bytes_per=es, recompute=gc)
+    return p2p, tp_bytes
+
+
 def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool) -> Candidate:
     """A pipeline candidate from its method's estimate at exactly its configuration (fast mode: the stages
     at 1 and 2 layers, extrapolated; the microbatches composed)."""
     from llmem_plugin.methods.pp import pipeline_across_nodes
 
-    _, on_path = _pp_work(ctx, cfg, profiles, gc, 0.0, 0.0)
     m = _pipeline_microbatches(ctx, cfg, None)
-    _, v = _PP[cfg.method]
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
-    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
     # The method reports its P2P volume and TP's (inside a node) with the FSDP2 ring's, the P2P on the link
     # pipeline neighbours share: what is left is FSDP2's, overlapped with compute.
-    tp_bytes = on_path - p2p
+    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc)
     if pipeline_across_nodes(ctx.layout):
         fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - tp_bytes, 0), max(est.comm_inter_node_bytes - p2p, 0)
     else:
