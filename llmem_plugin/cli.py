@@ -536,6 +536,9 @@ def _parser_estimate(sub) -> None:
                         "the pipeline degree)")
     g.add_argument("--stages-per-rank", type=_STAGES_PER_RANK, default=None,
                    help="pipeline methods: stages per rank (interleaved schedules; default 2, the V schedules 2)")
+    g.add_argument("--no-return-outputs", dest="return_outputs", action="store_false", default=None,
+                   help="pipeline methods: step the schedule with return_outputs=False, as torchtitan's trainer "
+                        "does (the last stage keeps no microbatch's logits; torch's default keeps them all)")
     g.add_argument("--pp-split", default=None, metavar="SPLIT",
                    help="pipeline methods: decoder layers per stage, 'torchtitan' (default), 'colossalai', or "
                         "counts such as 8,9,8,7")
@@ -572,10 +575,11 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     pipeline = {k: v for k, v in (("pipeline_degree", getattr(args, "pp", None)),
                                   ("microbatches", getattr(args, "microbatches", None)),
                                   ("stages_per_rank", getattr(args, "stages_per_rank", None)),
-                                  ("split", _pp_split(getattr(args, "pp_split", None)))) if v is not None}
+                                  ("split", _pp_split(getattr(args, "pp_split", None))),
+                                  ("return_outputs", getattr(args, "return_outputs", None))) if v is not None}
     if pipeline and not args.method.startswith("pp"):
         flag = {"pipeline_degree": "--pp", "microbatches": "--microbatches", "stages_per_rank": "--stages-per-rank",
-                "split": "--pp-split"}
+                "split": "--pp-split", "return_outputs": "--no-return-outputs"}
         raise ConfigError(f"{flag[next(iter(pipeline))]} applies to the pipeline methods, not --method "
                           f"{args.method}. HINT: use --method pp (or pp-gpipe, pp-interleaved, pp-zbv, pp-dualpipev, "
                           "pp-interleaved-zb)")

@@ -129,8 +129,10 @@ _TRAITS: dict[str, _Traits] = {
 # (The other schedules are estimated by ``llmem estimate --method``; the planner searches 1F1B, whose bubble
 # the cited model covers and whose stand-in pipelines are quick to find at any degree.)
 _PP = {"pp": ("1f1b", 1)}
-# The rank holding the last stage traces every microbatch (its returned outputs are not composed).
-_MAX_PIPELINE_MICROBATCHES = 256  # llmem_plugin.step.MAX_TRACED_MICRO_STEPS
+# The schedule's step as torchtitan's trainer calls it: ``pp_schedule.step(..., return_outputs=False)``
+# (torchtitan/trainer.py at b5bcd76, 2026-08), so the last stage keeps no microbatch's logits past its
+# loss and every rank is composed from short runs (methods/pp_compose.py) at any microbatch count.
+_PP_RETURN_OUTPUTS = False
 # Planner names that run a registry method with options.
 _VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-offload": ("fsdp", {"cpu_offload": True}),
@@ -503,7 +505,8 @@ def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: 
     if cfg.pp > 1:  # the workload's accumulation is the schedule's microbatch count
         wl1 = dataclasses.replace(wl, grad_accum_steps=1)
         return estimate_method(cfg.method, model, wl1, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
-                               pipeline_degree=cfg.pp, microbatches=wl.grad_accum_steps)
+                               pipeline_degree=cfg.pp, microbatches=wl.grad_accum_steps,
+                               return_outputs=_PP_RETURN_OUTPUTS)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
     return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
 
@@ -764,9 +767,6 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     if m < cfg.pp:
         raise _BatchError(f"{m} microbatches per step are fewer than the {cfg.pp} pipeline stages",
                           f"pass a --global-batch of at least {cfg.pp * dp} ({cfg.pp} per data-parallel rank)")
-    if m > _MAX_PIPELINE_MICROBATCHES:
-        raise _BatchError(f"{m} microbatches per step are more than the {_MAX_PIPELINE_MICROBATCHES} estimated",
-                          f"pass a --global-batch of at most {_MAX_PIPELINE_MICROBATCHES * dp}")
     if schedule == "interleaved-1f1b" and m % cfg.pp:
         raise _BatchError(f"{m} microbatches per step are not a multiple of the {cfg.pp} pipeline ranks")
     return m
@@ -897,8 +897,7 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     forward's saved tensors at micro-batch 1 (the single-GPU profile's,
     less the 16-bit weight copies autocast saves there, which engines that
     keep 16-bit parameters do not make; a TP rank holds at least 1/tp), and
-    for a pipeline the larger of that and its last rank's
-    (:func:`_last_stage_outputs_bound`)."""
+    for a pipeline its receive buffers (:func:`_receive_buffers_bound`)."""
     acts = profiles.point(1, gc).activations
     if ctx.workload.precision.autocast_dtype is not None:
         acts -= 2 * ctx.params
@@ -907,22 +906,21 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
     bound = (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
              + max(acts, 0) // tp)
     if cfg.pp > 1:
-        bound = max(bound, _last_stage_outputs_bound(ctx, cfg) + CUDA_CONTEXT_BYTES)
+        bound += _receive_buffers_bound(ctx, cfg)
     return bound
 
 
-def _last_stage_outputs_bound(ctx: _Context, cfg: _Config) -> int:
-    """Bytes the pipeline's last rank holds when its step ends: torch's schedule keeps every microbatch's
-    logits (``step(return_outputs=True)``, the default torchtitan keeps: the stage's ``output_chunks``) and
-    concatenates them while they are still held (``PipelineScheduleSingle.step`` -> ``_merge_outputs`` ->
-    ``merge_chunks``), two copies of the step's logits (gathered whole on every TP rank), beside its
-    optimizer states (taken as an even 1/gpus share of all of them: the last stage may hold a little less
-    than 1/p of the model, which its whole parameters and unreduced gradients, left out here, outweigh)."""
+def _receive_buffers_bound(ctx: _Context, cfg: _Config) -> int:
+    """Bytes of receive buffers every pipeline rank holds through the step: torch's stage allocates one
+    per microbatch at its first step and keeps them (``PipelineStage._prepare_forward_infra`` /
+    ``_prepare_backward_infra``: ``args_recv_info`` on a non-first stage, ``grad_recv_info`` on a
+    non-last one), each one microbatch's activations (one row of ``seq_len x hidden``, whole on every TP
+    rank: the stages pass whole activations without sequence parallel) in the stages' dtype. Every rank
+    of a pipeline of two or more holds at least one of the two kinds; the stage with the most parameters
+    (:func:`_lower_bound`'s) holds them beside its own."""
     m = _pipeline_microbatches(ctx, cfg, None)
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
-    logits = m * ctx.workload.seq_len * int(ctx.config.vocab_size) * es
-    states = ctx.trainable * _state_bytes_per_element(ctx.workload) // ctx.layout.num_gpus
-    return 2 * logits + states
+    return m * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
 
 
 def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> float:
@@ -1219,9 +1217,9 @@ def plan(
             need = _memory_bound(ctx, cfg, g, profiles)
             if need > limit:
                 what = "states, context and the forward's saved tensors at micro-batch 1"
-                if cfg.pp > 1 and need == _last_stage_outputs_bound(ctx, cfg) + CUDA_CONTEXT_BYTES:
-                    what = ("its last rank keeps every microbatch's logits and concatenates them "
-                            "(step(return_outputs=True))")
+                if cfg.pp > 1:
+                    what = (f"states, context, the forward's saved tensors at micro-batch 1 and the "
+                            f"{_pipeline_microbatches(ctx, cfg, None)} microbatches' receive buffers")
                 why = f"needs at least {need / _GIB:.1f} GiB ({what}) of the {limit / _GIB:.1f} GiB limit"
                 skipped.append((_unit_label(cfg, g, gcs), why))
             else:

@@ -515,7 +515,9 @@ def estimate(
             where FSDP2's shards are uneven).
         return_outputs: The schedule's ``step(return_outputs=...)``: torch's default True keeps the last
             stage's logits of every microbatch and concatenates them at the end of the step (torchtitan's
-            ``forward_backward_step`` keeps the default, torchtitan/train.py at 000204a); False drops them.
+            ``forward_backward_step`` kept the default up to torchtitan/train.py at 000204a); False drops
+            them, as torchtitan's trainer now steps it (torchtitan/trainer.py at b5bcd76) and the planner
+            does.
         fast: Trace each rank with its stages cut to one decoder layer and to two, and extrapolate every
             quantity affinely to its deepest stage's depth (the schedule, its microbatches and buffers stay
             whole); a rank whose stages all have at most two layers is traced in full.

@@ -103,6 +103,21 @@ def test_estimate_composes_and_reports_it():
         assert b.peak_reserved_bytes <= a.peak_reserved_bytes <= b.peak_reserved_bytes + 2 * 20 * 2**20 + 2 * 2**20
 
 
+def test_without_returned_outputs_the_last_rank_is_composed_too():
+    """step(return_outputs=False), as torchtitan's trainer and the planner step it: the last rank keeps no
+    logits past its loss, and its composition equals its full trace like the others'."""
+    cfg = _config()
+    composed = estimate_method("pp", cfg, WL, layout=Layout(num_gpus=4), gpu=H100, microbatches=12,
+                               return_outputs=False)
+    full = estimate_method("pp", cfg, WL, layout=Layout(num_gpus=4), gpu=H100, microbatches=12, compose=False,
+                           return_outputs=False)
+    assert any(n.startswith("composed: ranks [0, 1, 2, 3] ") for n in composed.notes)
+    for a, b in zip(composed.ranks, full.ranks, strict=True):
+        assert a.peak_tensor_bytes == b.peak_tensor_bytes
+        assert a.peak_allocated_bytes == b.peak_allocated_bytes
+        assert b.peak_reserved_bytes <= a.peak_reserved_bytes
+
+
 
 def test_per_microbatch_inputs_that_round_unevenly_are_covered():
     """seq 16 x 2 rows: the step's int64 ids take 256 bytes per microbatch, and their 512-byte block is not
