@@ -494,7 +494,11 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
         # FSDP2 inside it neither reshards after forward (torchtitan: not under pipelining) nor reduces
         # until the last microbatch (the schedule's requires_gradient_sync(False)); without FSDP2 the stage
         # holds them anyway. Its stage is at least 1/p of the parameters, and a TP rank's 1/tp of that.
-        held = 2 * params * p_bytes // (cfg.pp * cfg.tp)
+        # Under mixed precision FSDP2 keeps them gathered in 16 bits and accumulates their gradients in its
+        # fp32 reduce dtype between reductions (FSDPParam.to_accumulated_grad_if_needed: the 16-bit
+        # gradient is upcast and dropped after each microbatch's backward).
+        grad_bytes = 4 if wl.precision.autocast_dtype is not None else p_bytes
+        held = params * (p_bytes + grad_bytes) // (cfg.pp * cfg.tp)
     states = 0 if t.offload else trainable * _state_bytes_per_element(wl) // _shard(t.state_shard, layout, cfg.tp)
     return held + states
 

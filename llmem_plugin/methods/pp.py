@@ -23,8 +23,12 @@ parallel) over ``--tp`` ranks of a node, then FSDP2 over the remaining
 
 Scope (each refused in one line): pure precisions without FSDP2 (fp32, bf16,
 fp16: torchtitan runs mixed precision through FSDP, and autocast around a
-schedule is not modelled); Llama-family decoders; no gradient accumulation
-outside the schedule (its microbatches are the accumulation); unpacked rows.
+schedule is not modelled); Llama-family decoders; unpacked rows.
+
+Gradient accumulation (``--grad-accum K``) runs K schedule steps per optimizer
+step, as torchtitan's trainer does when its global batch exceeds one step's
+rows: each schedule step ends in FSDP2's reduction into the sharded gradients
+(``PipelineStage.perform_reduce_grad``), which add up until the optimizer step.
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.gpus import GPU, get_gpu
 from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.methods.pp_compose import VirtualPipeline, compose_runs, stand_in_stages, virtual_pipeline
+from llmem_plugin.methods.pp_compose import (
+    VirtualPipeline,
+    compose_runs,
+    stand_in_stages,
+    traced_accumulation,
+    virtual_pipeline,
+)
 from llmem_plugin.methods.pp_schedule import SCHEDULES, SINGLE_STAGE, V_SHAPED, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
 from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
@@ -145,8 +155,9 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
                schedule: str, microbatches: int, gpu: GPU, fake: bool = True, group: Any = None,
                return_outputs: bool = True, dp_shard: int = 1, tp: int = 1, mesh: Any = None,
                prepare: Any = None, streams: dict[int, int] | None = None,
-               segments: list[tuple[str, int]] | None = None) -> TraceResult:
-    """Trace global ``rank``'s two training steps of its ``specs`` stages: on fake tensors under the fake
+               segments: list[tuple[str, int]] | None = None, accumulation: int = 1) -> TraceResult:
+    """Trace global ``rank``'s two training steps of its ``specs`` stages (each of ``accumulation``
+    schedule steps, :func:`~llmem_plugin.methods.pp_stage.run_rank`): on fake tensors under the fake
     process group, or (``fake=False``, inside a real process group) on the real model ``model``, which the
     ground-truth runs use.
 
@@ -160,9 +171,9 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
         streams: Filled with the side stream of each allocation FSDP2 makes off the default stream (its
             all-gather and reduce-scatter streams), by trace record index, for :func:`rank_memory`.
         segments: Filled with (action, position in the trace's ``events`` where it starts): every compute
-            action ("F:stage:microbatch:step", "B:...", "I:...", "W:...") and what runs after it until the
-            next one ("after-F:...": P2P, the loss, the end of the schedule's step), each step's start and
-            its optimizer step.
+            action ("F:stage:microbatch:n", "B:...", "I:...", "W:...", n the schedule step's number) and
+            what runs after it until the next one ("after-F:...": P2P, the loss, the end of the schedule's
+            step), each schedule step's start ("step:n") and each optimizer step ("optimizer:iteration").
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -224,7 +235,7 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
         def on_action(kind: str, stage: int, mb: int) -> None:
             if kind == "step":
                 iteration[0] = mb
-            name = f"{kind}:{iteration[0]}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
+            name = f"{kind}:{mb}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
             starts.append((name, len(tracker._events)))
 
         pp_group = pp_mesh["pp"].get_group() if distributed else group
@@ -232,7 +243,8 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
                           micro_batch_size=workload.micro_batch_size, seq_len=workload.seq_len,
                           optimizer=lambda ps: make_optimizer(ps, workload.optimizer), tracker=tracker,
                           contexts=tuple(contexts), return_outputs=return_outputs, group=pp_group,
-                          fake_mode=fake_mode, modules=modules, on_action=on_action, **extra)
+                          fake_mode=fake_mode, modules=modules, on_action=on_action, accumulation=accumulation,
+                          **extra)
         if distributed and streams is not None:
             streams.update(tracker.stream_of)
         if segments is not None:
@@ -364,7 +376,7 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
 def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: VirtualPipeline, *, rank: int,
                   pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
                   return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None,
-                  tp: int = 1, vocab: int = 0) -> tuple[RankMemory, dict[str, int]] | None:
+                  tp: int = 1, vocab: int = 0, accumulation: int = 1) -> tuple[RankMemory, dict[str, int]] | None:
     """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
     named as a full trace names them; None where the composition does not apply (then trace in full).
 
@@ -382,34 +394,36 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
     # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
     # checkpointing pattern by layer index keeps the layers' positions in the key).
+    traced = traced_accumulation(accumulation)
     key = (virtual, rank % inner, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
-           tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else ())
+           tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else (), traced)
     if cache is not None and key in cache:
         traces, mems = cache[key]
         return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                                 unit_bytes, return_outputs)
+                                 unit_bytes, return_outputs, accumulation)
     traces, mems = [], []
     for mx in virtual.microbatches:
         streams: dict[int, int] = {}
         segments: list[tuple[str, int]] = []
         trace = trace_rank(model, wl, vspecs, rank=virtual.rank * inner + rank % inner,
                            pipeline_degree=virtual.degree, schedule=schedule, microbatches=mx, gpu=gpu,
-                           return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams, segments=segments)
+                           return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams, segments=segments,
+                           accumulation=traced)
         traces.append((trace.events, segments))
         mems.append(rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf,
                                 streams=streams))
     if cache is not None:
         cache[key] = (traces, mems)
     return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                             unit_bytes, return_outputs)
+                             unit_bytes, return_outputs, accumulation)
 
 
 def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
                       m: int, v: int, rank: int, inner: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any,
-                      unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True
+                      unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True, accumulation: int = 1
                       ) -> tuple[RankMemory, dict[str, int]] | None:
     comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, input_bytes=unit_bytes[0],
-                        output_bytes=unit_bytes[1], return_outputs=return_outputs)
+                        output_bytes=unit_bytes[1], return_outputs=return_outputs, accumulation=accumulation)
     if comp is None:
         return None
     longer = mems[1]
@@ -462,19 +476,24 @@ def tensor_parallel_bytes(*, micro_batch: int, seq_len: int, hidden: int, vocab:
 
 
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
-                        micro_batch_size: int, seq_len: int, tp: int = 1) -> str:
+                        micro_batch_size: int, seq_len: int, tp: int = 1, accumulation: int = 1) -> str:
     """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
     ``pipeline_parallel_degree``, ``pipeline_parallel_schedule`` (torch's schedule class name),
     ``pipeline_parallel_microbatch_size``, ``data_parallel_shard_degree``, ``tensor_parallel_degree`` with
     ``enable_sequence_parallel`` off as estimated; ``[training]``
-    ``local_batch_size``, whose division by the microbatch size is the microbatch count, and ``seq_len``).
+    ``local_batch_size``, whose division by the microbatch size is the microbatch count, ``seq_len``, and
+    with gradient accumulation ``global_batch_size``: torchtitan/train.py at 000204a runs
+    ``global_batch_size // (local_batch_size x data-parallel degree)`` schedule steps per optimizer step).
     torchtitan's default split is the one estimated (first and last stage one layer less)."""
     return (f'[parallelism] pipeline_parallel_degree = {pipeline_degree}, pipeline_parallel_schedule = '
             f'"{SCHEDULES[schedule]}", pipeline_parallel_microbatch_size = {micro_batch_size}, '
             f'data_parallel_shard_degree = {dp_shard}'
             + (f', tensor_parallel_degree = {tp}, enable_sequence_parallel = false' if tp > 1 else '')
             + '; [training] local_batch_size = '
-            f'{microbatches * micro_batch_size}, seq_len = {seq_len}')
+            f'{microbatches * micro_batch_size}'
+            + (f', global_batch_size = {microbatches * micro_batch_size * dp_shard * accumulation}'
+               if accumulation > 1 else '')
+            + f', seq_len = {seq_len}')
 
 
 def estimate(
@@ -549,9 +568,7 @@ def estimate(
         raise UnsupportedError(f"--method {preset} with --precision {wl.precision.value} and no data parallelism: "
                                "autocast around a pipeline schedule is not modelled (torchtitan runs mixed "
                                "precision through FSDP). HINT: use --precision bf16 or fp32, or --pp x --tp below --gpus")
-    if wl.grad_accum_steps != 1:
-        raise ConfigError(f"--method {preset} accumulates over its microbatches; --grad-accum "
-                          f"{wl.grad_accum_steps} is not used. HINT: pass --microbatches instead")
+    accum = wl.grad_accum_steps  # schedule steps per optimizer step (torchtitan's gradient accumulation)
     refused = [(wl.runner is not Runner.TORCH, f"--runner {wl.runner.value}",
                 "pass --runner torch: the pipeline schedule is the loop"),
                (wl.attn_implementation not in (AttentionImpl.AUTO, AttentionImpl.SDPA),
@@ -602,9 +619,10 @@ def estimate(
                           f"--microbatches {m}. HINT: pass --microbatches {p} or more")
     from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
 
-    if isinstance(m, int) and m > MAX_TRACED_MICRO_STEPS and not compose:
-        raise UnsupportedError(f"--method {preset} traces every microbatch, and --microbatches {m} is above "
-                               f"{MAX_TRACED_MICRO_STEPS}. HINT: estimate {MAX_TRACED_MICRO_STEPS} or fewer")
+    if isinstance(m, int) and m * accum > MAX_TRACED_MICRO_STEPS and not compose:
+        raise UnsupportedError(f"--method {preset} traces every microbatch, and --microbatches {m} x --grad-accum "
+                               f"{accum} is above {MAX_TRACED_MICRO_STEPS}. HINT: estimate "
+                               f"{MAX_TRACED_MICRO_STEPS} or fewer per optimizer step")
     flight = in_flight(schedule, p, m, v)  # also the schedule's own checks (degrees, placement, microbatches)
     target = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
@@ -659,11 +677,11 @@ def estimate(
         def too_many(r: int = r) -> UnsupportedError:
             why = ("holds the last stage's logits of every microbatch (return_outputs), which is not composed"
                    if holds_logits else "cannot be composed from shorter runs")
-            return UnsupportedError(f"--method {preset}: pipeline rank {r // inner} {why}, and tracing all {m} "
-                                    f"microbatches is refused above {MAX_TRACED_MICRO_STEPS}. HINT: pass "
-                                    f"--microbatches {MAX_TRACED_MICRO_STEPS} or fewer")
+            return UnsupportedError(f"--method {preset}: pipeline rank {r // inner} {why}, and tracing all {m * accum} "
+                                    f"microbatches of an optimizer step is refused above {MAX_TRACED_MICRO_STEPS}. "
+                                    f"HINT: pass --microbatches x --grad-accum of {MAX_TRACED_MICRO_STEPS} or fewer")
 
-        if virtual is None and m > MAX_TRACED_MICRO_STEPS:
+        if virtual is None and m * accum > MAX_TRACED_MICRO_STEPS:
             raise too_many()
 
         def row(specs_: list[StageSpec], r: int = r, sizes: tuple[int, ...] = sizes, virtual: Any = virtual
@@ -673,17 +691,17 @@ def estimate(
                                     microbatches=m, stages_per_rank=v, dp=dp, tp=tp, gpu=target,
                                     vocab=int(base.config.vocab_size),
                                     return_outputs=return_outputs, overheads=overheads_of[sizes], alloc_conf=config,
-                                    cache=stand_in_runs)
+                                    cache=stand_in_runs, accumulation=accum)
                 if got is not None:
                     composed_ranks.append(r)
                     return got
-                if m > MAX_TRACED_MICRO_STEPS:
+                if m * accum > MAX_TRACED_MICRO_STEPS:
                     raise too_many()
             streams: dict[int, int] = {}
             segments: list[tuple[str, int]] = []
             trace = trace_rank(model, wl, specs_, rank=r, pipeline_degree=p, schedule=schedule, microbatches=m,
                                gpu=target, return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams,
-                               segments=segments)
+                               segments=segments, accumulation=accum)
             return (rank_memory(trace, rank=r, gpu=target, overheads=overheads_of[sizes], alloc_conf=config,
                                 streams=streams), segment_peaks(trace, segments))
 
@@ -703,7 +721,9 @@ def estimate(
         inside += (f", tensor parallel {tp}-way inside each stage (torchtitan's plan without sequence parallel: "
                    "stages pass whole activations)")
     notes = [f"torch.distributed.pipelining {SCHEDULES[schedule]}: {p} pipeline ranks x {v} stage(s){inside}, {m} "
-             f"microbatches of {wl.micro_batch_size} row(s); decoder layers per stage {counts} "
+             f"microbatches of {wl.micro_batch_size} row(s)"
+             + (f" per schedule step, {accum} schedule steps per optimizer step (gradient accumulation)"
+                if accum > 1 else "") + f"; decoder layers per stage {counts} "
              f"({split if isinstance(split, str) else 'given'}); step(return_outputs={return_outputs})",
              "chunks in flight at each pipeline rank's peak: " + ", ".join(
                  f"rank {r}: {len(flight[r // inner])}" for r in traced)]
@@ -712,7 +732,7 @@ def estimate(
     if split == "torchtitan" and (v == 1 or schedule in V_SHAPED):
         notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, tp=tp, schedule=schedule,
                                                           microbatches=m, micro_batch_size=wl.micro_batch_size,
-                                                          seq_len=wl.seq_len))
+                                                          seq_len=wl.seq_len, accumulation=accum))
     if composed_ranks:
         notes.append(f"composed: ranks {sorted(set(composed_ranks))} from a smaller pipeline's runs at two small "
                      f"microbatch counts (llmem_plugin.methods.pp_compose), replayed over the real schedule's "
@@ -726,9 +746,10 @@ def estimate(
         base.parameters()).dtype
     bytes_per = torch.empty((), dtype=act_dtype, device="meta").element_size()
     # A middle pipeline rank sends each microbatch's activations forward and its input gradients back.
-    p2p = m * v * wl.micro_batch_size * wl.seq_len * hidden * bytes_per * 2
-    # FSDP2 with reshard_after_forward=False gathers a stage's parameters once per step and reduce-scatters
-    # its gradients once (no sync until the last microbatch): ring volumes (dp - 1) / dp of each.
+    p2p = accum * m * v * wl.micro_batch_size * wl.seq_len * hidden * bytes_per * 2
+    # FSDP2 with reshard_after_forward=False gathers a stage's parameters once per schedule step and
+    # reduce-scatters its gradients once (no sync until its last microbatch; the stage's perform_reduce_grad
+    # reshards after it): ring volumes (dp - 1) / dp of each, per schedule step.
     fsdp_bytes = 0
     if dp > 1:
         def local(name: str, q: torch.Tensor) -> int:  # the TP plan keeps the norms replicated
@@ -738,11 +759,11 @@ def estimate(
                     for pr in range(p))
         gather = 2 if wl.precision.autocast_dtype is not None else bytes_per
         reduce = 4 if wl.precision.autocast_dtype is not None else bytes_per
-        fsdp_bytes = numel * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
+        fsdp_bytes = accum * numel * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
     layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
                  for pr in range(p))
     tp_bytes = tensor_parallel_bytes(micro_batch=wl.micro_batch_size, seq_len=wl.seq_len, hidden=hidden,
-                                     vocab=int(base.config.vocab_size), layers=layers, microbatches=m, tp=tp,
+                                     vocab=int(base.config.vocab_size), layers=layers, microbatches=m * accum, tp=tp,
                                      bytes_per=bytes_per, recompute=wl.grad_checkpointing)
     # A pipeline rank's dp x tp ranks are consecutive (torchtitan's mesh: pipeline outermost, TP innermost),
     # so its FSDP2 group stays inside a node when those blocks tile the nodes; TP does (Layout keeps it in a

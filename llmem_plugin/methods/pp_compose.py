@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from llmem_plugin.methods.pp_schedule import Chunk, rank_actions, stages_of_rank
 
 __all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "cut", "stand_in_stages", "templates",
-           "virtual_pipeline"]
+           "traced_accumulation", "virtual_pipeline"]
 
 # Ranks of the small pipeline: the first, a middle one with a warm-up of three, and the last. Four is the
 # fewest for which a middle rank holds two forwards between others (1F1B's warm-up F-F-F context).
@@ -310,11 +310,16 @@ def _phase(kind: str) -> str:
 
 def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict[tuple, Template]]],
             virtual: VirtualPipeline, schedule: str, p: int, m: int, v: int, rank: int,
-            iterations: int = 2, slack: tuple[int, int] = (0, 0)) -> Composed | None:
+            iterations: int = 2, slack: tuple[int, int] = (0, 0), accumulation: int = 1) -> Composed | None:
     """Replay pipeline rank ``rank`` of (``p``, ``m``) from its stand-in's two runs (:func:`templates` of
     each, at ``virtual.microbatches``); None where a context of the real schedule is missing from them or
     the runs start apart. ``slack``: bytes added to the step's start and to its last action's tail
-    (:func:`rounding_slack`)."""
+    (:func:`rounding_slack`).
+
+    ``accumulation``: schedule steps per optimizer step. The runs take :func:`traced_accumulation` of
+    them: the first schedule step of an optimizer step (no gradients yet: the first reduction allocates
+    them) and a later one (it adds to them); every later one starts from the same live tensors and runs
+    the same actions, so the real rank's third and later steps replay the runs' second."""
     (run_a, tpl_a), (run_b, tpl_b) = runs
     if run_a.start != run_b.start:
         return None
@@ -329,7 +334,8 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     segments: dict[str, int] = {}
     phases: dict[str, int] = {}
 
-    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False, extra: int = 0) -> bool:
+    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False, extra: int = 0, settle: int = 0
+             ) -> bool:
         nonlocal live, peak
         a, b = tpl_a.get(key), tpl_b.get(key)
         if a is None or b is None:  # a context both runs must show, to tell a constant from a trend
@@ -344,28 +350,41 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
             segments[f"{name}|{part}" if part else name] = live + high
             phases[_phase(kind)] = max(phases.get(_phase(kind), 0), live + high)
             peak = max(peak, live + high)
-        live += tpl.delta
+        live += tpl.delta - settle
         return True
 
+    traced = traced_accumulation(accumulation)
     for it in range(iterations):
-        # Added at every step (a step's new inputs may be allocated while the last step's are still held).
-        if not play(f"step:{it}", (f"step:{it}",), "step", per_microbatch=True, extra=slack[0]):
-            return None
-        for i, (a, key) in enumerate(zip(actions, keys)):
-            vk = _relabel(key, to_virtual)
-            for kind in (a.kind, f"after-{a.kind}"):
-                tail = kind.startswith("after-") and i == len(actions) - 1
-                if not play(f"{kind}:{a.stage}:{a.microbatch}:{it}", (kind, it, *vk[1:]), kind, per_microbatch=tail,
-                            extra=slack[1] if tail else 0):
-                    return None
+        for k in range(accumulation):
+            n, nv = it * accumulation + k, it * traced + min(k, traced - 1)  # the real step, the run's
+            # Added at every step (a step's new inputs may be allocated while the last step's are still held).
+            if not play(f"step:{n}", (f"step:{nv}",), "step", per_microbatch=True, extra=slack[0]):
+                return None
+            for i, (a, key) in enumerate(zip(actions, keys)):
+                vk = _relabel(key, to_virtual)
+                for kind in (a.kind, f"after-{a.kind}"):
+                    tail = kind.startswith("after-") and i == len(actions) - 1
+                    # The tail frees the step's inputs and merged outputs, whose slack then goes with them: the
+                    # start's and its own are taken back (each freed as extrapolated, exactly what was
+                    # allocated less its slack), so the live bytes do not drift up a slack per step.
+                    if not play(f"{kind}:{a.stage}:{a.microbatch}:{n}", (kind, nv, *vk[1:]), kind,
+                                per_microbatch=tail, extra=slack[1] if tail else 0,
+                                settle=slack[0] + slack[1] if tail else 0):
+                        return None
         if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
             return None
     return Composed(peak, segments, phases)
 
 
+def traced_accumulation(accumulation: int) -> int:
+    """Schedule steps per optimizer step that a stand-in run takes for a rank that accumulates
+    ``accumulation`` (:func:`compose`): the first and one later."""
+    return min(accumulation, 2)
+
+
 def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
                  schedule: str, p: int, m: int, v: int, rank: int, *, input_bytes: int = 0, output_bytes: int = 0,
-                 return_outputs: bool = True) -> Composed | None:
+                 return_outputs: bool = True, accumulation: int = 1) -> Composed | None:
     """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts).
 
     ``input_bytes`` and ``output_bytes``: one microbatch's bytes in the tensors that hold every microbatch,
@@ -383,4 +402,5 @@ def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, in
     m_a, m_b = virtual.microbatches
     slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=input_bytes),
              rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=output_bytes))
-    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack)
+    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack,
+                   accumulation=accumulation)

@@ -227,6 +227,7 @@ def run_rank(
     group: Any = None,
     fake_mode: Any = None,
     iterations: int = 2,
+    accumulation: int = 1,
     vocab_size: int | None = None,
     contexts: tuple[contextlib.AbstractContextManager, ...] = (),
     on_action: Callable[[str, int, int], None] | None = None,
@@ -235,20 +236,24 @@ def run_rank(
     step: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
     activation_dtype: torch.dtype | None = None,
 ) -> TraceResult:
-    """Run ``iterations`` training steps of this rank's ``specs`` stages under ``tracker``.
+    """Run ``iterations`` training steps of this rank's ``specs`` stages under ``tracker``, each of
+    ``accumulation`` schedule steps before its optimizer step.
 
     Args:
         model: The whole model (real or fake tensors); only this rank's stages are used.
         specs: This rank's global stages, in increasing index.
         schedule: A name of :data:`llmem_plugin.methods.pp_schedule.SCHEDULES`.
         microbatches: Microbatches per step; the step's batch is ``microbatches x micro_batch_size`` rows.
+        accumulation: Schedule steps per optimizer step (torchtitan's gradient accumulation: one
+            ``pp_schedule.step`` per accumulation step; each ends in FSDP2's reduction into the sharded
+            gradients, which add up).
         optimizer: Builds the optimizer over the rank's trainable parameters.
         group: The pipeline process group (the default group if None).
         fake_mode: The fake mode the model's tensors belong to (None: a real run).
         contexts: Entered inside the tracker around the steps (e.g. the CUDA emulation).
         on_action: Called before every compute action with (kind, stage, microbatch) and after it with
-            ("after-" + kind, stage, microbatch), and with ("step", -1, iteration) when a step starts and
-            ("optimizer", -1, iteration) when its optimizer step starts.
+            ("after-" + kind, stage, microbatch), and with ("step", -1, n) when the n-th schedule step starts
+            (``iteration x accumulation + k``) and ("optimizer", -1, iteration) when an optimizer step starts.
         return_outputs: ``step(return_outputs=...)``: torch's default True keeps every microbatch's logits
             on the last stage and concatenates them when the step returns.
         modules: The stages' modules already built (and wrapped, e.g. by ``fully_shard``); None builds
@@ -304,23 +309,24 @@ def run_rank(
         for stage in stages:
             _phased(stage, tracker, on_action)
         for it in range(iterations):
-            tracker.set_phase(Phase.SETUP)
-            if on_action is not None:
-                on_action("step", -1, it)
-            gen = torch.Generator().manual_seed(0) if fake_mode is None else None
-            args, kwargs = (), {}
-            batch = []
-            if holds_first:
-                ids = torch.randint(0, vocab, (rows, seq_len), generator=gen)
-                args = (ids,)
-                batch.append(ids)
-            if holds_last:
-                target = torch.randint(0, vocab, (rows, seq_len), generator=gen)
-                kwargs = {"target": target, "losses": []}
-                batch.append(target)
-            tracker.register(batch, MemoryCategory.INPUT)
-            sched.step(*args, return_outputs=return_outputs, **kwargs)
-            del args, kwargs, batch
+            for k in range(accumulation):
+                tracker.set_phase(Phase.SETUP)
+                if on_action is not None:
+                    on_action("step", -1, it * accumulation + k)
+                gen = torch.Generator().manual_seed(k) if fake_mode is None else None
+                args, kwargs = (), {}
+                batch = []
+                if holds_first:
+                    ids = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+                    args = (ids,)
+                    batch.append(ids)
+                if holds_last:
+                    target = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+                    kwargs = {"target": target, "losses": []}
+                    batch.append(target)
+                tracker.register(batch, MemoryCategory.INPUT)
+                sched.step(*args, return_outputs=return_outputs, **kwargs)
+                del args, kwargs, batch
             tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
             tracker.set_phase(Phase.OPTIMIZER)
             if on_action is not None:

@@ -138,6 +138,53 @@ def test_fsdp_inside_stages_equals_a_real_gloo_run(tmp_path):
         assert real["events"] == events, rank
 
 
+_ACCUM_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.environ["REPO"])
+    from llmem_plugin import modelbuild
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.methods.pp import pipeline_mesh, stage_specs, trace_rank
+    from tests.methods._gloo_fsdp import use_gloo_collectives
+    from tests.methods.test_pp import ACCUM, ACCUM_WL, DP, _config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = pipeline_mesh(2, DP)
+    torch.manual_seed(0)
+    model = modelbuild.build_model(_config(), ACCUM_WL, device="cpu")
+    t = trace_rank(model, ACCUM_WL, [stage_specs(8, 2)[rank // DP]], rank=rank, pipeline_degree=2,
+                   schedule="1f1b", microbatches=4, gpu=get_gpu("h100-sxm"), fake=False, dp_shard=DP, mesh=mesh,
+                   prepare=lambda modules: use_gloo_collectives(*modules), accumulation=ACCUM)
+    with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
+        json.dump({"peak": t.peak_bytes, "events": [[s, n] for s, _, n in t.events]}, f)
+""")
+ACCUM = 3
+ACCUM_WL = dataclasses.replace(FSDP_WL, grad_accum_steps=ACCUM)
+
+
+def test_gradient_accumulation_equals_a_real_gloo_run(tmp_path):
+    """torchtitan's gradient accumulation under pipelining: 3 schedule steps (4 microbatches each) per
+    optimizer step, pipeline 2 x FSDP2 2 on 4 real gloo processes; each schedule step ends in FSDP2's
+    reduction into the sharded gradients, which add up. Every rank's stream equals its fake trace."""
+    run_gloo(tmp_path, _ACCUM_WORKER, world=2 * DP, timeout=900, env={"OUT": str(tmp_path)})
+    specs = stage_specs(8, 2)
+    fakes = []
+    for rank in range(2 * DP):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        fake = trace_rank(_config(), ACCUM_WL, [specs[rank // DP]], rank=rank, pipeline_degree=2, schedule="1f1b",
+                          microbatches=4, gpu=H100, dp_shard=DP, accumulation=ACCUM)
+        assert fake.peak_bytes == real["peak"], rank
+        assert real["events"] == [[s, n] for s, _, n in fake.events], rank
+        fakes.append(fake)
+    # One more schedule step adds its inputs' allocations and frees and nothing that stays.
+    shorter = trace_rank(_config(), ACCUM_WL, [specs[0]], rank=0, pipeline_degree=2, schedule="1f1b", microbatches=4,
+                         gpu=H100, dp_shard=DP, accumulation=ACCUM - 1)
+    assert shorter.peak_bytes == fakes[0].peak_bytes
+
+
 def _live_before_first_backward(schedule, m):
     """Tensor bytes live on rank 0 when its first backward starts (first step)."""
     specs = stage_specs(8, P)
@@ -219,7 +266,6 @@ def test_refusals(kwargs, layout, error, match):
 
 
 @pytest.mark.parametrize("change,match", [({"precision": "bf16-mixed"}, "autocast"),
-                                          ({"grad_accum_steps": 2}, "--microbatches"),
                                           ({"loss": "chunked"}, "--loss chunked"),
                                           ({"reference_model": True}, "--reference-model"),
                                           ({"runner": "hf-trainer"}, "--runner hf-trainer"),

@@ -6,6 +6,8 @@ a composed rank whose live bytes equal the full trace's at every action is check
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmem_plugin.gpus import get_gpu
@@ -101,6 +103,28 @@ def test_estimate_composes_and_reports_it():
         # rounding to a large segment. (At this tiny size that is tens of percent; at real sizes, tens of
         # MiB of tens of GiB.)
         assert b.peak_reserved_bytes <= a.peak_reserved_bytes <= b.peak_reserved_bytes + 2 * 20 * 2**20 + 2 * 2**20
+
+
+def test_gradient_accumulation_composes_from_two_schedule_steps():
+    """3 and 5 schedule steps per optimizer step (pipeline 2 x FSDP2 2, 8 microbatches each), composed from
+    stand-in runs of two (the first allocates the sharded gradients, the second adds to them, the later
+    ones repeat it): every rank's tensor and allocated peaks equal its full trace (the full trace itself
+    checked against real gloo runs, tests/methods/test_pp.py), up to the ids' rounding slack (seq 16 x 2
+    rows: 256 bytes a microbatch, never under), and the same at 3 and 5 steps."""
+    cfg = _config()
+    peaks = {}
+    for accum in (3, 5):
+        wl = dataclasses.replace(WL, precision="bf16-mixed", grad_accum_steps=accum)
+        kw = dict(layout=Layout(num_gpus=4), gpu=H100, pipeline_degree=2, microbatches=8, return_outputs=False)
+        composed = estimate_method("pp", cfg, wl, **kw)
+        assert any(n.startswith("composed: ranks [0, 2] ") for n in composed.notes)
+        peaks[accum] = [r.peak_tensor_bytes for r in composed.ranks]
+        if accum == 3:
+            full = estimate_method("pp", cfg, wl, compose=False, **kw)
+            for a, b in zip(composed.ranks, full.ranks, strict=True):
+                assert 0 <= a.peak_tensor_bytes - b.peak_tensor_bytes <= 1024
+                assert a.peak_allocated_bytes - a.peak_tensor_bytes == b.peak_allocated_bytes - b.peak_tensor_bytes
+    assert peaks[3] == peaks[5]
 
 
 def test_without_returned_outputs_the_last_rank_is_composed_too():

@@ -76,19 +76,20 @@ def test_pipeline_batch_errors_name_their_own_fix(kwargs, match):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp):
+@pytest.mark.parametrize("tp,precision", [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")])
+def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp, precision):
     """The screen's pipeline floor (the largest stage's parameters and gradients, an even share of the
     optimizer states, and one kind of receive buffer for every microbatch) is under every rank's tensor
     peak in the method's own estimate (pipeline 2 over 4 GPUs: FSDP2 over 2, or TP over 2), and at many
     microbatches of a wide model the buffers are most of what each rank holds: the bound may skip a
-    configuration only when no rank can fit, and it does skip those."""
+    configuration only when no rank can fit, and it does skip those. Under mixed precision the floor holds
+    the stage's parameters gathered in bf16 and their gradients accumulated in FSDP2's fp32 reduce dtype."""
     from llmem_plugin import modelbuild
     from llmem_plugin.gpus import get_gpu
     from llmem_plugin.planner import _Config, _Context, _lower_bound, _receive_buffers_bound
 
     model = tiny_config("llama")
-    wl = dataclasses.replace(WL, micro_batch_size=1)
+    wl = dataclasses.replace(WL, micro_batch_size=1, precision=precision)
     n = sum(q.numel() for q in modelbuild.build_model(model, wl, device="meta").parameters())
     layout = Layout(num_gpus=4, tp=tp)
     ctx = _Context(model=model, config=model, workload=wl, layout=layout, gpu=get_gpu("h100-sxm"), network=None,
@@ -96,7 +97,7 @@ def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp):
     cfg = _Config("pp", tp, 2)
     buffers = _receive_buffers_bound(ctx, cfg)
     m = 256 // (4 // (2 * tp))  # each data-parallel rank's share of the 256 rows, one per microbatch
-    assert buffers == m * 32 * 64 * 4  # one fp32 row of 32 x 64 activations per microbatch
+    assert buffers == m * 32 * 64 * (4 if precision == "fp32" else 2)  # a row of 32 x 64 activations each
     floor = _lower_bound(cfg, layout, n, n, wl) + buffers
     est = estimate_method("pp", model, wl, layout=layout, gpu="h100-sxm", pipeline_degree=2, microbatches=m,
                           return_outputs=False)
