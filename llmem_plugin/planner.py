@@ -181,6 +181,9 @@ class Candidate:
             holds only when this does too.
         pp: Pipeline degree (pipeline methods; ``grad_accum`` is then the
             schedule's microbatch count and ``micro_batch`` a microbatch's rows).
+        schedule_steps: Pipeline methods: schedule steps per optimizer step
+            (torchtitan's gradient accumulation), each of ``grad_accum``
+            microbatches.
     """
 
     method: str
@@ -202,6 +205,7 @@ class Candidate:
     host_limit_bytes: int = 0
     host_fits: bool = True
     pp: int = 1
+    schedule_steps: int = 1
 
     @property
     def headroom_bytes(self) -> int:
@@ -213,13 +217,15 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return (self.method, self.tp, self.pp, self.micro_batch, self.grad_checkpointing)
+        return (self.method, self.tp, self.pp, self.micro_batch, self.grad_checkpointing,
+                *((self.grad_accum, self.schedule_steps) if self.pp > 1 else ()))
 
     def label(self) -> str:
         tp = f" tp{self.tp}" if self.tp > 1 else ""
         gc = " +ckpt" if self.grad_checkpointing else ""
-        if self.pp > 1:  # grad_accum is the pipeline's microbatch count
-            return f"{self.method}{self.pp}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
+        if self.pp > 1:  # grad_accum is the pipeline's microbatch count, per schedule step
+            steps = f" x{self.schedule_steps} steps" if self.schedule_steps > 1 else ""
+            return f"{self.method}{self.pp}{tp} mb{self.micro_batch}x{self.grad_accum}{steps}{gc}"
         return f"{self.method}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +235,7 @@ class Candidate:
             "pp": self.pp,
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
+            "schedule_steps": self.schedule_steps,
             "grad_checkpointing": self.grad_checkpointing,
             "offload": self.offload,
             "fits": self.fits,
@@ -504,13 +511,17 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
 
 
 def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
-                   fast: bool) -> MethodEstimate:
+                   fast: bool, split: tuple[int, int] | None = None, stand_ins: dict | None = None
+                   ) -> MethodEstimate:
+    """The method's estimate for ``cfg``; a pipeline's at ``split`` (microbatches per schedule step,
+    schedule steps per optimizer step), sharing ``stand_ins`` (its composition's runs) across splits."""
     lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
-    if cfg.pp > 1:  # the workload's accumulation is the schedule's microbatch count
-        wl1 = dataclasses.replace(wl, grad_accum_steps=1)
+    if cfg.pp > 1:
+        m, k = split
+        wl1 = dataclasses.replace(wl, grad_accum_steps=k)
         return estimate_method(cfg.method, model, wl1, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
-                               pipeline_degree=cfg.pp, microbatches=wl.grad_accum_steps,
-                               return_outputs=_PP_RETURN_OUTPUTS)
+                               pipeline_degree=cfg.pp, microbatches=m, return_outputs=_PP_RETURN_OUTPUTS,
+                               stand_ins=stand_ins)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
     return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
 
@@ -670,18 +681,20 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     )
 
 
-def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_intra: float, fsdp_cross: float
-             ) -> tuple[StepTime, int]:
+def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_intra: float, fsdp_cross: float,
+             split: tuple[int, int]) -> tuple[StepTime, int]:
     """A pipeline candidate's step time: each rank computes its stage for its data-parallel share (one-row
     microbatches), idles for the schedule's bubble (:func:`llmem_plugin.cost.pipeline_bubble_s`), waits
     for each microbatch's activations and input gradients from its neighbours (P2P on the critical path:
     not hidden), and overlaps FSDP2's one gather and one reduction per step with compute. TP inside the
     stages splits each stage's compute tp ways and adds its collectives on the critical path (each layer's
-    all-reduces wait for the matmul before them and gate the one after)."""
+    all-reduces wait for the matmul before them and gate the one after). ``split``: (microbatches per
+    schedule step, schedule steps per optimizer step); each schedule step has its own bubble, (p - 1) / m
+    of its compute, and its own FSDP2 gather and reduction (counted by the method)."""
     _, v = _PP[cfg.method]
-    m = _pipeline_microbatches(ctx, cfg, None)
-    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc)
-    work = StepWork(flops=profiles.flops(1, gc).scaled(m / (cfg.pp * cfg.tp)), micro_steps=1,
+    m, k = split
+    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc, split)
+    work = StepWork(flops=profiles.flops(1, gc).scaled(m * k / (cfg.pp * cfg.tp)), micro_steps=1,
                     intra_only_bytes=round(fsdp_intra),
                     cross_node_bytes=round(fsdp_cross), overlap=Overlap.FORWARD_BACKWARD,
                     optimizer_elements=ctx.trainable // ctx.layout.num_gpus, gpus_per_node=ctx.layout.gpus_per_node)
@@ -697,42 +710,44 @@ def _pp_work(ctx: _Context, cfg: _Config, profiles: _Profiles, gc: bool, fsdp_in
                                bubble_s=bubble), p2p + tp_bytes
 
 
-def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool) -> tuple[int, int]:
+def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool, split: tuple[int, int]) -> tuple[int, int]:
     """(P2P, TP) bytes a pipeline candidate's rank sends per step on the critical path: each microbatch's
     activations and input gradients per stage, and TP's collectives over the deepest rank's decoder layers
     under torchtitan's split, as the method counts them (:func:`llmem_plugin.methods.pp.tensor_parallel_bytes`)."""
     from llmem_plugin.methods.pp import stage_specs, tensor_parallel_bytes
 
     _, v = _PP[cfg.method]
-    m = _pipeline_microbatches(ctx, cfg, None)
+    microbatches = split[0] * split[1]  # over all the optimizer step's schedule steps
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
-    p2p = 2 * m * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
+    p2p = 2 * microbatches * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
     layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
     tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
-                                     vocab=int(ctx.config.vocab_size), layers=layers, microbatches=m, tp=cfg.tp,
-                                     bytes_per=es, recompute=gc)
+                                     vocab=int(ctx.config.vocab_size), layers=layers, microbatches=microbatches,
+                                     tp=cfg.tp, bytes_per=es, recompute=gc)
     return p2p, tp_bytes
 
 
-def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool) -> Candidate:
+def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool,
+                  split: tuple[int, int]) -> Candidate:
     """A pipeline candidate from its method's estimate at exactly its configuration (fast mode: the stages
     at 1 and 2 layers, extrapolated; the microbatches composed)."""
     from llmem_plugin.methods.pp import pipeline_across_nodes
 
-    m = _pipeline_microbatches(ctx, cfg, None)
+    m, k = split
     # The method reports its P2P volume and TP's (inside a node) with the FSDP2 ring's, the P2P on the link
     # pipeline neighbours share: what is left is FSDP2's, overlapped with compute.
-    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc)
+    p2p, tp_bytes = _pp_path_bytes(ctx, cfg, gc, split)
     if pipeline_across_nodes(ctx.layout):
         fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - tp_bytes, 0), max(est.comm_inter_node_bytes - p2p, 0)
     else:
         fsdp_intra, fsdp_cross = max(est.comm_intra_node_bytes - p2p - tp_bytes, 0), est.comm_inter_node_bytes
-    st, _ = _pp_work(ctx, cfg, profiles, gc, fsdp_intra, fsdp_cross)
+    st, _ = _pp_work(ctx, cfg, profiles, gc, fsdp_intra, fsdp_cross, split)
     w = est.worst
     host = est.host_total_bytes_per_node
     host_fits = not ctx.host_limit or host <= ctx.host_limit
     return Candidate(
-        method=cfg.method, tp=cfg.tp, pp=cfg.pp, micro_batch=1, grad_accum=m, grad_checkpointing=gc, offload=None,
+        method=cfg.method, tp=cfg.tp, pp=cfg.pp, micro_batch=1, grad_accum=m, schedule_steps=k,
+        grad_checkpointing=gc, offload=None,
         device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
         peak_reserved_bytes=w.peak_reserved_bytes, limit_bytes=ctx.limit,
         fits=w.device_total_bytes <= ctx.limit and host_fits, verified=False, time=st,
@@ -758,8 +773,8 @@ class _BatchError(ConfigError):
 
 
 def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> int:
-    """The pipeline candidate's microbatch count: its data-parallel rank's share of the global batch, one
-    row each (:data:`_PP`)."""
+    """A pipeline configuration's microbatches per optimizer step: its data-parallel rank's share of the
+    global batch, one row each (:data:`_PP`)."""
     schedule, _ = _PP[cfg.method]
     dp = ctx.layout.num_gpus // (cfg.pp * cfg.tp)
     if ctx.global_batch % dp:
@@ -774,6 +789,25 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     if schedule == "interleaved-1f1b" and m % cfg.pp:
         raise _BatchError(f"{m} microbatches per step are not a multiple of the {cfg.pp} pipeline ranks")
     return m
+
+
+# Schedule steps per optimizer step searched for a pipeline: powers of two up to this many.
+_MAX_SCHEDULE_STEPS = 64
+
+
+def _pipeline_splits(ctx: _Context, cfg: _Config) -> list[tuple[int, int]]:
+    """The (microbatches per schedule step, schedule steps per optimizer step) a pipeline configuration is
+    planned at, all of its rank's share: the whole share in one schedule step, and torchtitan's gradient
+    accumulation over 2, 4, ... steps (``global_batch_size`` over ``local_batch_size x dp``) while each step
+    keeps at least two microbatches per stage (a shorter step is mostly bubble). Fewer microbatches per step
+    hold fewer receive buffers; more have a smaller bubble and fewer FSDP2 gathers and reductions."""
+    share = _pipeline_microbatches(ctx, cfg, None)
+    out = [(share, 1)]
+    k = 2
+    while k <= _MAX_SCHEDULE_STEPS and share % k == 0 and share // k >= 2 * cfg.pp:
+        out.append((share // k, k))
+        k *= 2
+    return out
 
 
 def _micro_batch_plan(ctx: _Context, cfg: _Config, pinned: int | None) -> tuple[int, list[int]]:
@@ -797,6 +831,17 @@ def _run_task(task: tuple) -> Any:
         if kind == "profile":
             _, profiles, mb, gc = task
             return profiles.compute(mb, gc)
+        if kind == "pipeline":  # every split of one configuration, their composition's runs shared
+            _, ctx, cfg, wl, splits = task
+            shared: dict = {}
+            out = {}
+            for split in splits:
+                try:
+                    out[split] = _registry_call(cfg, ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True,
+                                                split=split, stand_ins=shared)
+                except LLMemError as e:
+                    out[split] = ConfigError(str(e))
+            return out
         _, ctx, cfg, wl = task
         return _registry_call(cfg, ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True)
     except LLMemError as e:
@@ -864,14 +909,14 @@ class _Search:
     def expand(self, units: list[tuple[_Config, bool]]) -> list[tuple[tuple[_Config, bool], Any]]:
         todo = list(dict.fromkeys(k for u in units for k in self._needs(*u) if k not in self.results))
         todo.sort(key=lambda k: not _TRAITS[k[1].method].tp_family)  # slowest first
-        tasks = [("run", self.ctx, cfg, self._workload(kind, cfg)) for kind, cfg in todo]
+        tasks = [("pipeline", self.ctx, cfg, self._workload(kind, cfg), _pipeline_splits(self.ctx, cfg))
+                 if cfg.pp > 1 else ("run", self.ctx, cfg, self._workload(kind, cfg)) for kind, cfg in todo]
         self.results.update(zip(todo, _map(tasks), strict=True))
         return [(u, self._build(*u)) for u in units]
 
     def _workload(self, kind: str, cfg: _Config) -> Workload:
-        if kind.startswith("pp-"):  # one-row microbatches; the accumulation field carries their count
-            m = _pipeline_microbatches(self.ctx, cfg, self.pinned)
-            return dataclasses.replace(self._wl["one"], grad_accum_steps=m, grad_checkpointing=kind == "pp-ckpt")
+        if kind.startswith("pp-"):  # one-row microbatches; the splits come with the task
+            return dataclasses.replace(self._wl["one"], grad_checkpointing=kind == "pp-ckpt")
         return self._wl[kind]
 
     def _build(self, cfg: _Config, gc: bool) -> Any:
@@ -881,7 +926,12 @@ class _Search:
         if err is not None:
             return err
         if cfg.pp > 1:
-            return [_pp_candidate(self.ctx, cfg, next(iter(got.values())), self.profiles, gc)]
+            runs = next(iter(got.values()))
+            out = [_pp_candidate(self.ctx, cfg, est, self.profiles, gc, split) for split, est in runs.items()
+                   if not isinstance(est, LLMemError)]
+            if not out:
+                return next(iter(runs.values()))  # no split could be estimated: the first one's reason
+            return out
         one = self.results.get(("one", cfg))
         base = _Base(one if one is not None else self.results[("ckpt", cfg)], ckpt=self.results.get(("ckpt", cfg)))
         if t.tp_family:
@@ -921,8 +971,9 @@ def _receive_buffers_bound(ctx: _Context, cfg: _Config) -> int:
     non-last one), each one microbatch's activations (one row of ``seq_len x hidden``, whole on every TP
     rank: the stages pass whole activations without sequence parallel) in the stages' dtype. Every rank
     of a pipeline of two or more holds at least one of the two kinds; the stage with the most parameters
-    (:func:`_lower_bound`'s) holds them beside its own."""
-    m = _pipeline_microbatches(ctx, cfg, None)
+    (:func:`_lower_bound`'s) holds them beside its own. At the configuration's fewest microbatches per
+    schedule step (:func:`_pipeline_splits`)."""
+    m = min(m for m, _ in _pipeline_splits(ctx, cfg))
     es = 4 if ctx.workload.precision is Precision.FP32 else 2
     return m * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
 
@@ -937,8 +988,8 @@ def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> f
     block of Megatron-style TP in forward and again in backward, for
     methods that hide no communication."""
     t = _TRAITS[cfg.method]
-    if cfg.pp > 1:  # compute, bubble and P2P; FSDP2's traffic counted as hidden
-        return _pp_work(ctx, cfg, profiles, gc, 0.0, 0.0)[0].total_s
+    if cfg.pp > 1:  # compute, bubble and P2P; FSDP2's traffic counted as hidden; the smallest bubble
+        return _pp_work(ctx, cfg, profiles, gc, 0.0, 0.0, max(_pipeline_splits(ctx, cfg)))[0].total_s
     dp = ctx.layout.num_gpus // cfg.tp
     per_rank = ctx.global_batch // dp
     flops = profiles.flops(1, gc).scaled(per_rank / cfg.tp)  # one micro-step of the whole share
@@ -981,12 +1032,13 @@ def _verify(ctx: _Context, c: Candidate) -> Candidate:
     every micro-step they are given and get at most 2: from the second on,
     every micro-step repeats the same allocations on the same live state
     (not checked against the allocator for them)."""
-    # A pipeline's microbatches are its schedule: all of them (composed from shorter runs, pp_compose).
-    accum = c.grad_accum if c.method == "single" or c.pp > 1 else min(c.grad_accum, 2)
+    # A pipeline's microbatches are its schedule: all of them, in all its schedule steps (composed from
+    # shorter runs, pp_compose).
+    accum = c.grad_accum if c.method == "single" else min(c.grad_accum, 2)
     wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=accum,
                              grad_checkpointing=c.grad_checkpointing)
     est = _registry_call(_Config(c.method, c.tp, c.pp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf,
-                         fast=False)
+                         fast=False, split=(c.grad_accum, c.schedule_steps) if c.pp > 1 else None)
     w = est.worst
     act_delta = 0.0
     host = est.host_total_bytes_per_node
@@ -1222,8 +1274,9 @@ def plan(
             if need > limit:
                 what = "states, context and the forward's saved tensors at micro-batch 1"
                 if cfg.pp > 1:
-                    what = (f"states, context, the forward's saved tensors at micro-batch 1 and the "
-                            f"{_pipeline_microbatches(ctx, cfg, None)} microbatches' receive buffers")
+                    fewest = min(m for m, _ in _pipeline_splits(ctx, cfg))
+                    what = (f"states, context, the forward's saved tensors at micro-batch 1 and the receive "
+                            f"buffers of {fewest} microbatches per schedule step")
                 why = f"needs at least {need / _GIB:.1f} GiB ({what}) of the {limit / _GIB:.1f} GiB limit"
                 skipped.append((_unit_label(cfg, g, gcs), why))
             else:

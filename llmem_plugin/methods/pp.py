@@ -514,19 +514,21 @@ def estimate(
     return_outputs: bool = True,
     fast: bool = False,
     compose: bool = True,
+    stand_ins: dict | None = None,
     **_: Any,
 ) -> MethodEstimate:
     """Per-rank memory of a pipeline-parallel training step on ``layout``.
 
     Args:
         model: Model source, as :func:`llmem_plugin.modelbuild.build_model` takes.
-        workload: ``micro_batch_size`` is one pipeline microbatch's rows.
+        workload: ``micro_batch_size`` is one pipeline microbatch's rows; ``grad_accum_steps`` the schedule
+            steps per optimizer step (torchtitan's gradient accumulation).
         schedule: One of :data:`~llmem_plugin.methods.pp_schedule.SCHEDULES`.
         pipeline_degree: Pipeline ranks (default: the world size over ``layout.tp``). With ``layout.tp`` > 1
             each stage is tensor parallel over ``tp`` ranks (:func:`stage_tp_plan`); a pipeline x TP size
             below the world size shards each stage with FSDP2 over the ``world / (pipeline_degree x tp)``
             ranks of its data-parallel group, as torchtitan composes them (:func:`shard_stage`).
-        microbatches: Microbatches per step (default: the pipeline degree).
+        microbatches: Microbatches per schedule step (default: the pipeline degree).
         stages_per_rank: Stages per rank (1 for gpipe/1f1b, 2 for the V schedules, default 2 for the
             interleaved ones).
         split: "torchtitan" (default), "colossalai", or decoder layers per global stage.
@@ -543,6 +545,9 @@ def estimate(
         compose: Compose each rank's step from a small pipeline's runs at two small microbatch counts
             (:mod:`llmem_plugin.methods.pp_compose`) where one shows every action context the rank's schedule
             has; False traces every microbatch.
+        stand_ins: The composition's stand-in runs, kept across calls that differ only in ``microbatches``
+            and the workload's ``grad_accum_steps`` (the planner's splits of one configuration); each call's
+            own when None.
 
     Raises:
         ConfigError: Bad degrees, microbatches or split.
@@ -650,7 +655,7 @@ def estimate(
     overheads_of = {}
     rows = []
     composed_ranks: list[int] = []
-    stand_in_runs: dict = {}
+    stand_in_runs: dict = stand_ins if stand_ins is not None else {}
     for r in traced:
         if isinstance(r, bool) or not (isinstance(r, int) and 0 <= r < layout.num_gpus):
             raise ConfigError(f"rank {r!r} is not a rank of the {layout.num_gpus} GPUs. HINT: pass ranks 0 to "

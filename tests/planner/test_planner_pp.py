@@ -31,21 +31,29 @@ def pp_plan():
 
 def test_pipeline_candidates_are_one_row_microbatches_of_each_ranks_share(pp_plan):
     # 8 layers: pipeline degrees 2 (FSDP2 over 2 inside each stage, or TP over 2) and 4; TP 4 does not divide
-    # the tiny model's 2 kv heads. Each data-parallel rank's share of the 8 sequences is its microbatch count.
-    got = sorted((c.pp, c.tp, c.micro_batch, c.grad_accum) for c in pp_plan.candidates)
-    assert got == [(2, 1, 1, 4), (2, 2, 1, 8), (4, 1, 1, 8)]
+    # the tiny model's 2 kv heads. Each data-parallel rank's share of the 8 sequences is its microbatches per
+    # optimizer step: in one schedule step, or in two of 4 (torchtitan's gradient accumulation) where each
+    # keeps two microbatches per stage.
+    got = sorted((c.pp, c.tp, c.micro_batch, c.grad_accum, c.schedule_steps) for c in pp_plan.candidates)
+    assert got == [(2, 1, 1, 4, 1), (2, 2, 1, 4, 2), (2, 2, 1, 8, 1), (4, 1, 1, 8, 1)]
     assert any(name == "pp tp4" for name, _ in pp_plan.skipped)
     for c in pp_plan.candidates:
         assert c.time.bubble_s == pytest.approx(pipeline_bubble_s(c.time.compute_s, degree=c.pp,
                                                                   microbatches=c.grad_accum))
         assert c.time.bubble_s > 0
         assert c.label().startswith(f"pp{c.pp} " + (f"tp{c.tp} " if c.tp > 1 else ""))
+        assert (" x2 steps" in c.label()) == (c.schedule_steps == 2)
+    # Two schedule steps of 4 against one of 8: twice the bubble ((p - 1) / m of the same compute).
+    one, two = (next(c for c in pp_plan.candidates if (c.pp, c.tp, c.schedule_steps) == (2, 2, k)) for k in (1, 2))
+    assert two.time.compute_s == pytest.approx(one.time.compute_s)
+    assert two.time.bubble_s == pytest.approx(2 * one.time.bubble_s)
 
 
 def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
     c = pp_plan.choice
     assert c is not None and c.verified and c.pp in (2, 4)
-    wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=c.grad_checkpointing)
+    wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=c.grad_checkpointing,
+                             grad_accum_steps=c.schedule_steps)
     # As torchtitan's trainer steps the schedule: no outputs returned.
     est = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl, layout=Layout(num_gpus=4, tp=c.tp),
                           gpu="h100-sxm", pipeline_degree=c.pp, microbatches=c.grad_accum, return_outputs=False)
@@ -53,7 +61,8 @@ def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
     assert c.peak_allocated_bytes == est.worst.peak_allocated_bytes
     # The other one was screened from the method's fast mode at its own configuration.
     for other in (x for x in pp_plan.candidates if x is not c):
-        wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=other.grad_checkpointing)
+        wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=other.grad_checkpointing,
+                                 grad_accum_steps=other.schedule_steps)
         fast = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl,
                                layout=Layout(num_gpus=4, tp=other.tp),
                                gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
@@ -79,14 +88,14 @@ def test_pipeline_batch_errors_name_their_own_fix(kwargs, match):
 @pytest.mark.parametrize("tp,precision", [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")])
 def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp, precision):
     """The screen's pipeline floor (the largest stage's parameters and gradients, an even share of the
-    optimizer states, and one kind of receive buffer for every microbatch) is under every rank's tensor
-    peak in the method's own estimate (pipeline 2 over 4 GPUs: FSDP2 over 2, or TP over 2), and at many
-    microbatches of a wide model the buffers are most of what each rank holds: the bound may skip a
-    configuration only when no rank can fit, and it does skip those. Under mixed precision the floor holds
+    optimizer states, and one kind of receive buffer for every microbatch of the configuration's shortest
+    schedule step) is under every rank's tensor peak in the method's own estimate at that split (pipeline 2
+    over 4 GPUs: FSDP2 over 2, or TP over 2): the bound may skip a configuration only when no rank of any
+    of its splits can fit. Under mixed precision the floor holds
     the stage's parameters gathered in bf16 and their gradients accumulated in FSDP2's fp32 reduce dtype."""
     from llmem_plugin import modelbuild
     from llmem_plugin.gpus import get_gpu
-    from llmem_plugin.planner import _Config, _Context, _lower_bound, _receive_buffers_bound
+    from llmem_plugin.planner import _Config, _Context, _lower_bound, _pipeline_splits, _receive_buffers_bound
 
     model = tiny_config("llama")
     wl = dataclasses.replace(WL, micro_batch_size=1, precision=precision)
@@ -96,11 +105,13 @@ def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp, precision):
                    global_batch=256, limit=0, alloc_conf=None, efficiency=1.0, params=n, trainable=n)
     cfg = _Config("pp", tp, 2)
     buffers = _receive_buffers_bound(ctx, cfg)
-    m = 256 // (4 // (2 * tp))  # each data-parallel rank's share of the 256 rows, one per microbatch
+    # Each data-parallel rank's share of the 256 rows, one per microbatch, over schedule steps of at least 4.
+    share = 256 // (4 // (2 * tp))
+    m, k = min(_pipeline_splits(ctx, cfg))
+    assert (m, k) == (4, share // 4)
     assert buffers == m * 32 * 64 * (4 if precision == "fp32" else 2)  # a row of 32 x 64 activations each
     floor = _lower_bound(cfg, layout, n, n, wl) + buffers
-    est = estimate_method("pp", model, wl, layout=layout, gpu="h100-sxm", pipeline_degree=2, microbatches=m,
-                          return_outputs=False)
+    est = estimate_method("pp", model, dataclasses.replace(wl, grad_accum_steps=k), layout=layout, gpu="h100-sxm",
+                          pipeline_degree=2, microbatches=m, return_outputs=False)
     for r in est.ranks:
         assert floor <= r.peak_tensor_bytes
-        assert buffers >= 0.25 * r.peak_tensor_bytes
