@@ -6,7 +6,7 @@ at its depth, every microbatch) and with ``fast=True`` (each rank's stages at
 record per rank the tensor, allocated and reserved peaks of both and the
 wall time of each estimate, with the machine and versions.
 
-    python benchmarks/pp_fast.py > benchmarks/results/pp-fast-<date>.jsonl
+    python benchmarks/pp_fast.py [CASE ...] > benchmarks/results/pp-fast-<date>.jsonl
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ import platform
 import time
 
 CASES = [
-    # (model, method, gpus, pipeline degree, microbatches, seq_len, precision)
+    # (model, method, gpus, pipeline degree, microbatches, seq_len, precision[, schedule steps, checkpointing])
     ("llama-3.1-8b", "pp", 4, 4, 8, 2048, "bf16"),
     ("llama-3.1-8b", "pp-gpipe", 4, 4, 8, 2048, "bf16"),
     ("qwen2.5-0.5b", "pp-zbv", 4, 4, 8, 1024, "bf16"),
+    # FSDP2 inside the stages (mixed precision), as the planner's candidates run, with and without
+    # gradient accumulation (schedule steps per optimizer step: the last field) and checkpointing.
+    ("llama-3.1-8b", "pp", 8, 4, 8, 2048, "bf16-mixed", 1, False),
+    ("llama-3.1-8b", "pp", 8, 2, 8, 2048, "bf16-mixed", 3, True),
 ]
 
 
@@ -35,10 +39,16 @@ def main() -> None:
     env = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),
            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
     gpu = get_gpu("h100-sxm")
-    for model, method, gpus, pp, m, seq, precision in CASES:
-        wl = Workload(seq_len=seq, precision=precision)
+    import sys
+
+    named = sys.argv[1:]  # case numbers to run (default: all)
+    for i, (model, method, gpus, pp, m, seq, precision, *rest) in enumerate(CASES):
+        if named and str(i) not in named:
+            continue
+        steps, ckpt = rest or (1, False)
+        wl = Workload(seq_len=seq, precision=precision, grad_accum_steps=steps, grad_checkpointing=ckpt)
         out = {"model": model, "method": method, "gpus": gpus, "pp": pp, "microbatches": m, "seq_len": seq,
-               "precision": precision, "env": env}
+               "precision": precision, "schedule_steps": steps, "grad_checkpointing": ckpt, "env": env}
         for fast in (False, True):
             t = time.perf_counter()
             est = estimate_method(method, model, wl, layout=Layout(num_gpus=gpus), gpu=gpu, pipeline_degree=pp,

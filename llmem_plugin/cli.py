@@ -115,6 +115,7 @@ _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one nod
 # microbatch (its returned outputs are not composed, methods/pp.py).
 _MICROBATCHES = _int_arg("--microbatches", 1, 256, "the last pipeline rank traces every microbatch")
 _PP = _int_arg("--pp", 2, _MAX_GPUS, "a pipeline of at least two ranks, at most one per GPU")
+_MAX_PIPELINES = _int_arg("--max-pipelines", 0, 1024, "0 traces none, --no-prune all")
 _STAGES_PER_RANK = _int_arg("--stages-per-rank", 1, 16, "torchtitan's interleaved schedules use 2 to 4")
 _LORA_RANK = _int_arg("--lora-rank", 1, _MAX_LORA_RANK, "a rank above the layer width adds nothing")
 _LOSS_CHUNKS = _int_arg("--loss-chunks", 1, _MAX_TOKENS, "at most one chunk per token")
@@ -843,6 +844,9 @@ def _parser_plan(sub) -> None:
     g.add_argument("--no-verify", action="store_true", help="skip the full trace of the choice (screen only)")
     g.add_argument("--no-prune", action="store_true",
                    help="screen every candidate, also those whose step-time bound cannot win (the full table)")
+    g.add_argument("--max-pipelines", type=_MAX_PIPELINES, default=None,
+                   help="pipeline configurations to trace at most, best step-time bounds first (default 2; each "
+                        "costs minutes on a large model; --no-prune traces all)")
     _add_step_args(p)
     g = p.add_argument_group("allocator")
     g.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
@@ -915,6 +919,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     kw = {}
     if args.efficiency is not None:
         kw["efficiency"] = args.efficiency
+    if args.max_pipelines is not None:
+        kw["max_pipelines"] = args.max_pipelines
     gc = {"auto": None, "on": True, "off": False}[args.grad_checkpointing]
     try:
         result, code = plan(

@@ -791,6 +791,9 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     return m
 
 
+# Pipeline configurations the planner traces by default (plan(max_pipelines=...)): each costs minutes at
+# 405B on a 2-core machine (benchmarks/results/plan-speed-2026-11-28b.json), the other methods' seconds.
+DEFAULT_MAX_PIPELINES = 2
 # Schedule steps per optimizer step searched for a pipeline: powers of two up to this many.
 _MAX_SCHEDULE_STEPS = 64
 
@@ -1165,6 +1168,7 @@ def plan(
     suggest: bool = True,
     prune: bool = True,
     host_memory: int | str | None = None,
+    max_pipelines: int | None = DEFAULT_MAX_PIPELINES,
     _profiles: dict | None = None,
 ) -> Plan:
     """Search the methods for ``model`` on ``num_gpus`` GPUs and pick the fastest that fits.
@@ -1197,6 +1201,10 @@ def plan(
             instance with ``num_gpus / num_nodes`` of this GPU
             (:func:`llmem_plugin.host.resolve_host_memory`). A candidate
             whose host memory per node exceeds it less the margin does not fit.
+        max_pipelines: Pipeline configurations (degrees) to trace at most, those with the best step-time
+            bounds first; the rest are listed as skipped with that reason. A pipeline configuration's
+            trace costs minutes on a large model (every rank's stages run under the schedule), the other
+            methods' seconds. None (or ``prune=False``): all.
 
     Returns:
         The :class:`Plan`.
@@ -1296,15 +1304,34 @@ def plan(
     def best_time() -> float:
         return min((c.step_time_s for c in candidates if c.fits and id(c) not in rejected), default=float("inf"))
 
+    traced_pipelines: set[_Config] = set()
+
+    def over_budget(u: tuple[_Config, bool]) -> bool:
+        cfg = u[0]
+        if cfg.pp == 1 or not prune or max_pipelines is None or cfg in traced_pipelines:
+            return False
+        return len(traced_pipelines) >= max_pipelines
+
     def screen() -> None:
         # Branch and bound: trace units in order of their time bound, while
         # one could still beat the fastest fitting candidate screened so far.
         while True:
             limit_s = best_time() if prune else float("inf")
             ready = [u for u in pending if bound[u] < limit_s * (1 - 1e-9)]
+            for u in [u for u in ready if over_budget(u)]:
+                pending.remove(u)
+                ready.remove(u)
+                skipped.append((_unit_label(u[0], u[1], gcs),
+                                f"not traced: the plan traces the {max_pipelines} pipeline configuration(s) with the "
+                                f"best step-time bounds (at least {bound[u]:.3g} s per step here)"))
+            budget = max(max_pipelines - len(traced_pipelines), 0) if prune and max_pipelines is not None else None
+            if budget is not None:  # a batch takes no more new pipeline configurations than the budget has left
+                fresh = list(dict.fromkeys(u[0] for u in ready if u[0].pp > 1 and u[0] not in traced_pipelines))
+                ready = [u for u in ready if u[0].pp == 1 or u[0] in traced_pipelines or u[0] in fresh[:budget]]
             if not ready:
                 return
             batch = ready[: max(_cores(), 1)]
+            traced_pipelines.update(u[0] for u in batch if u[0].pp > 1)
             for u, out in search.expand(batch):
                 pending.remove(u)
                 if isinstance(out, LLMemError):
@@ -1380,7 +1407,7 @@ def plan(
                     "methods": methods, "tps": tps, "micro_batch": micro_batch,
                     "grad_checkpointing": grad_checkpointing, "alloc_conf": alloc_conf, "efficiency": efficiency,
                     "inter_node_gbps": inter_node_gbps, "verify": verify, "max_verify": max_verify,
-                    "host_memory": host_memory}
+                    "host_memory": host_memory, "max_pipelines": max_pipelines}
             try:
                 suggestions = _suggestions(model, result, same, cache)
             except Exception as e:  # noqa: BLE001 - the verdict stands without them (an adapter must still stop)

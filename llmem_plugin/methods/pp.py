@@ -402,7 +402,7 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
         return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
                                  unit_bytes, return_outputs, accumulation)
     traces, mems = [], []
-    for mx in virtual.microbatches:
+    for mx in dict.fromkeys(virtual.microbatches):  # one run where the rank stands in for itself
         streams: dict[int, int] = {}
         segments: list[tuple[str, int]] = []
         trace = trace_rank(model, wl, vspecs, rank=virtual.rank * inner + rank % inner,
@@ -412,6 +412,7 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
         traces.append((trace.events, segments))
         mems.append(rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf,
                                 streams=streams))
+    traces, mems = traces + traces[-1:] * (2 - len(traces)), mems + mems[-1:] * (2 - len(mems))
     if cache is not None:
         cache[key] = (traces, mems)
     return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
@@ -678,6 +679,10 @@ def estimate(
         # benchmarks/results/pp-compose-2026-11-28.jsonl). It is traced in full.
         holds_logits = return_outputs and any(sp.last for sp in mine)
         virtual = virtual_pipeline(schedule, p, m, v, r // inner) if compose and not holds_logits else None
+        if virtual is None and compose and not holds_logits and accum > traced_accumulation(accum):
+            # Too few microbatches for a smaller pipeline to save any, but schedule steps to save: the rank
+            # stands in for itself, run for two schedule steps and composed over all of them.
+            virtual = VirtualPipeline(p, r // inner, (m, m))
 
         def too_many(r: int = r) -> UnsupportedError:
             why = ("holds the last stage's logits of every microbatch (return_outputs), which is not composed"
@@ -739,9 +744,11 @@ def estimate(
                                                           microbatches=m, micro_batch_size=wl.micro_batch_size,
                                                           seq_len=wl.seq_len, accumulation=accum))
     if composed_ranks:
-        notes.append(f"composed: ranks {sorted(set(composed_ranks))} from a smaller pipeline's runs at two small "
-                     f"microbatch counts (llmem_plugin.methods.pp_compose), replayed over the real schedule's "
-                     f"{m} microbatches; reserved: the longer run's plus whole segments for the extra bytes")
+        steps = f" in each of {accum} schedule steps (two run)" if accum > 1 else ""
+        notes.append(f"composed: ranks {sorted(set(composed_ranks))} from short runs (a smaller pipeline's at two "
+                     f"small microbatch counts, or the rank's own) (llmem_plugin.methods.pp_compose), replayed over "
+                     f"the real schedule's {m} microbatches{steps}; reserved: the longer run's plus whole segments "
+                     "for the extra bytes")
     if fast:
         notes.append("fast: each rank traced with its stages at 1 and 2 decoder layers (every microbatch), "
                      "extrapolated to its deepest stage's depth; reserved approximate (the larger "

@@ -287,7 +287,7 @@ def rounding_slack(proportional: int, m_a: int, m_b: int, m: int, *, unit_bytes:
     under."""
     from llmem_plugin.allocator_config import MIN_BLOCK_SIZE
 
-    if not proportional or unit_bytes % MIN_BLOCK_SIZE == 0:
+    if not proportional or unit_bytes % MIN_BLOCK_SIZE == 0 or m_a == m_b:  # m_a == m_b == m: nothing extrapolated
         return 0
     return proportional * MIN_BLOCK_SIZE * math.ceil((m - m_a) / (m_b - m_a))
 

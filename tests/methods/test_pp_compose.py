@@ -127,6 +127,22 @@ def test_gradient_accumulation_composes_from_two_schedule_steps():
     assert peaks[3] == peaks[5]
 
 
+def test_a_rank_with_too_few_microbatches_for_a_stand_in_composes_its_own_steps():
+    """4 microbatches over pipeline 2 leave no smaller pipeline to stand in, but 6 schedule steps do: the
+    rank's own run of two steps, composed over six, equals its full trace of six."""
+    cfg = _config()
+    assert virtual_pipeline("1f1b", 2, 4, 1, 0) is None
+    wl = dataclasses.replace(WL, grad_accum_steps=6)
+    kw = dict(layout=Layout(num_gpus=2), gpu=H100, microbatches=4, return_outputs=False)
+    composed = estimate_method("pp", cfg, wl, **kw)
+    full = estimate_method("pp", cfg, wl, compose=False, **kw)
+    assert any(n.startswith("composed: ranks [0, 1] ") for n in composed.notes)
+    assert not any(n.startswith("composed") for n in full.notes)
+    for a, b in zip(composed.ranks, full.ranks, strict=True):
+        assert a.peak_tensor_bytes == b.peak_tensor_bytes
+        assert a.peak_allocated_bytes == b.peak_allocated_bytes
+
+
 def test_without_returned_outputs_the_last_rank_is_composed_too():
     """step(return_outputs=False), as torchtitan's trainer and the planner step it: the last rank keeps no
     logits past its loss, and its composition equals its full trace like the others'."""

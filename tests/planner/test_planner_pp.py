@@ -115,3 +115,22 @@ def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp, precision):
                           pipeline_degree=2, microbatches=m, return_outputs=False)
     for r in est.ranks:
         assert floor <= r.peak_tensor_bytes
+
+
+def test_the_plan_traces_at_most_its_pipeline_budget():
+    """max_pipelines=1: one pipeline configuration is traced, every other is listed as skipped (here each
+    bound is above the traced one's step time); max_pipelines=0: none is traced, each skipped with the
+    budget as its reason, and nothing fits."""
+    from llmem_plugin.errors import WontFitError
+
+    kw = dict(gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"], global_batch=8, grad_checkpointing=False)
+    names = {"pp2", "pp2 tp2", "pp4"}
+    one = plan(tiny_config("llama", num_hidden_layers=8), max_pipelines=1, **kw)
+    traced = {f"pp{c.pp}" + (f" tp{c.tp}" if c.tp > 1 else "") for c in one.candidates}
+    assert len(traced) == 1
+    assert names - traced <= set(dict(one.skipped))
+    with pytest.raises(WontFitError) as e:
+        plan(tiny_config("llama", num_hidden_layers=8), max_pipelines=0, suggest=False, **kw)
+    reasons = dict(e.value.plan.skipped)
+    assert not e.value.plan.candidates
+    assert all(reasons[n].startswith("not traced: the plan traces the 0 pipeline configuration(s)") for n in names)
