@@ -514,14 +514,15 @@ def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: 
                    fast: bool, split: tuple[int, int] | None = None, stand_ins: dict | None = None
                    ) -> MethodEstimate:
     """The method's estimate for ``cfg``; a pipeline's at ``split`` (microbatches per schedule step,
-    schedule steps per optimizer step), sharing ``stand_ins`` (its composition's runs) across splits."""
+    schedule steps per optimizer step), sharing ``stand_ins`` (its composition's runs, of two schedule steps
+    each: they serve every split) across splits."""
     lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
     if cfg.pp > 1:
         m, k = split
         wl1 = dataclasses.replace(wl, grad_accum_steps=k)
         return estimate_method(cfg.method, model, wl1, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
                                pipeline_degree=cfg.pp, microbatches=m, return_outputs=_PP_RETURN_OUTPUTS,
-                               stand_ins=stand_ins)
+                               stand_ins=stand_ins, stand_in_steps=2 if stand_ins is not None else None)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
     return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
 
@@ -1218,6 +1219,10 @@ def plan(
     t0 = time.perf_counter()
     if not 0 <= margin < 1:
         raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. --margin 0.05 for 5%")
+    if max_pipelines is not None and (isinstance(max_pipelines, bool) or not isinstance(max_pipelines, int)
+                                      or max_pipelines < 0):
+        raise ConfigError(f"max_pipelines must be a count of at least 0 (or None for all), got {max_pipelines!r}. "
+                          "HINT: e.g. --max-pipelines 2")
     if efficiency <= 0 or efficiency > 1:
         raise ConfigError(f"efficiency must be in (0, 1], got {efficiency!r}. HINT: e.g. --efficiency 0.4")
     target = _resolve_gpu(gpu, gpu_memory)

@@ -376,7 +376,8 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
 def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: VirtualPipeline, *, rank: int,
                   pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
                   return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None,
-                  tp: int = 1, vocab: int = 0, accumulation: int = 1) -> tuple[RankMemory, dict[str, int]] | None:
+                  tp: int = 1, vocab: int = 0, accumulation: int = 1, stand_in_steps: int | None = None
+                  ) -> tuple[RankMemory, dict[str, int]] | None:
     """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
     named as a full trace names them; None where the composition does not apply (then trace in full).
 
@@ -394,13 +395,13 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
     # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
     # checkpointing pattern by layer index keeps the layers' positions in the key).
-    traced = traced_accumulation(accumulation)
+    traced = stand_in_steps if stand_in_steps is not None else traced_accumulation(accumulation)
     key = (virtual, rank % inner, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
            tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else (), traced)
     if cache is not None and key in cache:
         traces, mems = cache[key]
         return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                                 unit_bytes, return_outputs, accumulation)
+                                 unit_bytes, return_outputs, accumulation, traced)
     traces, mems = [], []
     for mx in dict.fromkeys(virtual.microbatches):  # one run where the rank stands in for itself
         streams: dict[int, int] = {}
@@ -416,15 +417,16 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     if cache is not None:
         cache[key] = (traces, mems)
     return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                             unit_bytes, return_outputs, accumulation)
+                             unit_bytes, return_outputs, accumulation, traced)
 
 
 def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
                       m: int, v: int, rank: int, inner: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any,
-                      unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True, accumulation: int = 1
-                      ) -> tuple[RankMemory, dict[str, int]] | None:
+                      unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True, accumulation: int = 1,
+                      traced_steps: int | None = None) -> tuple[RankMemory, dict[str, int]] | None:
     comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, input_bytes=unit_bytes[0],
-                        output_bytes=unit_bytes[1], return_outputs=return_outputs, accumulation=accumulation)
+                        output_bytes=unit_bytes[1], return_outputs=return_outputs, accumulation=accumulation,
+                        traced_steps=traced_steps)
     if comp is None:
         return None
     longer = mems[1]
@@ -516,6 +518,7 @@ def estimate(
     fast: bool = False,
     compose: bool = True,
     stand_ins: dict | None = None,
+    stand_in_steps: int | None = None,
     **_: Any,
 ) -> MethodEstimate:
     """Per-rank memory of a pipeline-parallel training step on ``layout``.
@@ -549,6 +552,8 @@ def estimate(
         stand_ins: The composition's stand-in runs, kept across calls that differ only in ``microbatches``
             and the workload's ``grad_accum_steps`` (the planner's splits of one configuration); each call's
             own when None.
+        stand_in_steps: Schedule steps the stand-in runs take (default ``min(grad_accum_steps, 2)``); 2
+            lets one set of runs serve every accumulation, 1 included (the planner's splits share them).
 
     Raises:
         ConfigError: Bad degrees, microbatches or split.
@@ -575,6 +580,9 @@ def estimate(
                                "autocast around a pipeline schedule is not modelled (torchtitan runs mixed "
                                "precision through FSDP). HINT: use --precision bf16 or fp32, or --pp x --tp below --gpus")
     accum = wl.grad_accum_steps  # schedule steps per optimizer step (torchtitan's gradient accumulation)
+    if stand_in_steps not in (None, 2) and not (stand_in_steps == 1 and accum == 1):
+        raise ConfigError(f"stand_in_steps must be 2 (or 1 without accumulation), got {stand_in_steps!r}. HINT: "
+                          "leave it out")
     refused = [(wl.runner is not Runner.TORCH, f"--runner {wl.runner.value}",
                 "pass --runner torch: the pipeline schedule is the loop"),
                (wl.attn_implementation not in (AttentionImpl.AUTO, AttentionImpl.SDPA),
@@ -701,7 +709,7 @@ def estimate(
                                     microbatches=m, stages_per_rank=v, dp=dp, tp=tp, gpu=target,
                                     vocab=int(base.config.vocab_size),
                                     return_outputs=return_outputs, overheads=overheads_of[sizes], alloc_conf=config,
-                                    cache=stand_in_runs, accumulation=accum)
+                                    cache=stand_in_runs, accumulation=accum, stand_in_steps=stand_in_steps)
                 if got is not None:
                     composed_ranks.append(r)
                     return got

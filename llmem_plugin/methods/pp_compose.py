@@ -310,16 +310,18 @@ def _phase(kind: str) -> str:
 
 def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict[tuple, Template]]],
             virtual: VirtualPipeline, schedule: str, p: int, m: int, v: int, rank: int,
-            iterations: int = 2, slack: tuple[int, int] = (0, 0), accumulation: int = 1) -> Composed | None:
+            iterations: int = 2, slack: tuple[int, int] = (0, 0), accumulation: int = 1,
+            traced_steps: int | None = None) -> Composed | None:
     """Replay pipeline rank ``rank`` of (``p``, ``m``) from its stand-in's two runs (:func:`templates` of
     each, at ``virtual.microbatches``); None where a context of the real schedule is missing from them or
     the runs start apart. ``slack``: bytes added to the step's start and to its last action's tail
     (:func:`rounding_slack`).
 
-    ``accumulation``: schedule steps per optimizer step. The runs take :func:`traced_accumulation` of
-    them: the first schedule step of an optimizer step (no gradients yet: the first reduction allocates
-    them) and a later one (it adds to them); every later one starts from the same live tensors and runs
-    the same actions, so the real rank's third and later steps replay the runs' second."""
+    ``accumulation``: schedule steps per optimizer step. The runs take ``traced_steps`` of them (default
+    :func:`traced_accumulation`): the first schedule step of an optimizer step (no gradients yet: the first
+    reduction allocates them) and a later one (it adds to them); every later one starts from the same live
+    tensors and runs the same actions, so the real rank's third and later steps replay the runs' second,
+    and a rank without accumulation replays only their first steps."""
     (run_a, tpl_a), (run_b, tpl_b) = runs
     if run_a.start != run_b.start:
         return None
@@ -353,7 +355,7 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
         live += tpl.delta - settle
         return True
 
-    traced = traced_accumulation(accumulation)
+    traced = traced_steps if traced_steps is not None else traced_accumulation(accumulation)
     for it in range(iterations):
         for k in range(accumulation):
             n, nv = it * accumulation + k, it * traced + min(k, traced - 1)  # the real step, the run's
@@ -384,7 +386,8 @@ def traced_accumulation(accumulation: int) -> int:
 
 def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
                  schedule: str, p: int, m: int, v: int, rank: int, *, input_bytes: int = 0, output_bytes: int = 0,
-                 return_outputs: bool = True, accumulation: int = 1) -> Composed | None:
+                 return_outputs: bool = True, accumulation: int = 1, traced_steps: int | None = None
+                 ) -> Composed | None:
     """:func:`compose` from the stand-in's two traced runs, each as (events, segment starts).
 
     ``input_bytes`` and ``output_bytes``: one microbatch's bytes in the tensors that hold every microbatch,
@@ -403,4 +406,4 @@ def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, in
     slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=input_bytes),
              rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=output_bytes))
     return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack,
-                   accumulation=accumulation)
+                   accumulation=accumulation, traced_steps=traced_steps)

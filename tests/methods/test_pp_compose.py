@@ -125,6 +125,14 @@ def test_gradient_accumulation_composes_from_two_schedule_steps():
                 assert 0 <= a.peak_tensor_bytes - b.peak_tensor_bytes <= 1024
                 assert a.peak_allocated_bytes - a.peak_tensor_bytes == b.peak_allocated_bytes - b.peak_tensor_bytes
     assert peaks[3] == peaks[5]
+    # One set of two-step stand-in runs serves a rank without accumulation too (the planner's splits share
+    # them): its first steps replayed, equal to the one-step runs' composition.
+    wl = dataclasses.replace(WL, precision="bf16-mixed")
+    kw = dict(layout=Layout(num_gpus=4), gpu=H100, pipeline_degree=2, microbatches=8, return_outputs=False)
+    plain = estimate_method("pp", cfg, wl, **kw)
+    shared = estimate_method("pp", cfg, wl, stand_in_steps=2, **kw)
+    for a, b in zip(shared.ranks, plain.ranks, strict=True):
+        assert (a.peak_tensor_bytes, a.peak_allocated_bytes) == (b.peak_tensor_bytes, b.peak_allocated_bytes)
 
 
 def test_a_rank_with_too_few_microbatches_for_a_stand_in_composes_its_own_steps():
