@@ -845,7 +845,7 @@ def _parser_plan(sub) -> None:
     g.add_argument("--no-prune", action="store_true",
                    help="screen every candidate, also those whose step-time bound cannot win (the full table)")
     g.add_argument("--max-pipelines", type=_MAX_PIPELINES, default=None,
-                   help="pipeline configurations to trace at most, best step-time bounds first (default 2; each "
+                   help="pipeline configurations to trace at most, best step-time bounds first (default 1; each "
                         "costs minutes on a large model; --no-prune traces all)")
     _add_step_args(p)
     g = p.add_argument_group("allocator")
