@@ -111,9 +111,10 @@ _GRAD_ACCUM = _int_arg("--grad-accum", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuni
 _GPUS = _int_arg("--gpus", 1, _MAX_GPUS, "four times the largest published training job")
 _NODES = _int_arg("--nodes", 1, _MAX_GPUS, "at most one node per GPU")
 _TP = _int_arg("--tp", 1, _MAX_TP, "a tensor-parallel group stays inside one node")
-# At most llmem_plugin.step.MAX_TRACED_MICRO_STEPS (256): the rank holding the last stage traces every
-# microbatch (its returned outputs are not composed, methods/pp.py).
-_MICROBATCHES = _int_arg("--microbatches", 1, 256, "the last pipeline rank traces every microbatch")
+# A schedule step's microbatches: as many as the accumulation bound (one-row microbatches of a share that
+# large). A rank the estimate cannot compose from short runs (the last rank under return_outputs) is traced
+# microbatch by microbatch, which methods/pp.py refuses above step.MAX_TRACED_MICRO_STEPS with its own hint.
+_MICROBATCHES = _int_arg("--microbatches", 1, _MAX_GRAD_ACCUM, "beyond any fine-tuning recipe's batch")
 _PP = _int_arg("--pp", 2, _MAX_GPUS, "a pipeline of at least two ranks, at most one per GPU")
 _MAX_PIPELINES = _int_arg("--max-pipelines", 0, 1024, "0 traces none, --no-prune all")
 _STAGES_PER_RANK = _int_arg("--stages-per-rank", 1, 16, "torchtitan's interleaved schedules use 2 to 4")

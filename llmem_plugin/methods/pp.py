@@ -695,9 +695,12 @@ def estimate(
         def too_many(r: int = r) -> UnsupportedError:
             why = ("holds the last stage's logits of every microbatch (return_outputs), which is not composed"
                    if holds_logits else "cannot be composed from shorter runs")
+            fix = ("--no-return-outputs (return_outputs=False, as torchtitan's trainer steps the schedule), or "
+                   if holds_logits else "")
             return UnsupportedError(f"--method {preset}: pipeline rank {r // inner} {why}, and tracing all {m * accum} "
                                     f"microbatches of an optimizer step is refused above {MAX_TRACED_MICRO_STEPS}. "
-                                    f"HINT: pass --microbatches x --grad-accum of {MAX_TRACED_MICRO_STEPS} or fewer")
+                                    f"HINT: pass {fix}--microbatches x --grad-accum of {MAX_TRACED_MICRO_STEPS} or "
+                                    "fewer")
 
         if virtual is None and m * accum > MAX_TRACED_MICRO_STEPS:
             raise too_many()

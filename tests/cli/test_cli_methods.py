@@ -7,6 +7,7 @@ import json
 import pytest
 
 from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
 
 from ._run import run
 
@@ -126,3 +127,21 @@ def test_pipeline_rows_every_rank(capsys, tmp_path):
     assert code == 0, err
     names = {r["method"] for r in json.loads(out)["methods"]} | {s["method"] for s in json.loads(out)["skipped"]}
     assert not any(n.startswith("pp") for n in names)
+
+
+def test_pipeline_microbatches_beyond_a_traced_step(capsys, tmp_path):
+    """More microbatches than the estimate traces one by one (step.MAX_TRACED_MICRO_STEPS): composed when every
+    rank is (return_outputs=False); refused in one line naming the flag when the last rank keeps its outputs."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "vocab_size": 256}))
+    m = MAX_TRACED_MICRO_STEPS + 1
+    argv = ["estimate", "--model", str(cfg), "--seq-len", "32", "--gpus", "2", "--precision", "bf16", "--json",
+            "--method", "pp", "--microbatches", str(m)]
+    code, _, err = run(capsys, *argv)
+    assert code == EXIT_BAD_INPUT and "--no-return-outputs" in err and err.count("\n") == 1, err
+    code, out, err = run(capsys, *argv, "--no-return-outputs")
+    assert code == 0, err
+    row = json.loads(out)["methods"][0]
+    assert f"{m} microbatches" in row["notes"][0] and any(n.startswith("composed: ranks [0, 1]") for n in row["notes"])
