@@ -494,7 +494,7 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
     in 16 bits (32 for fp32 training) and its optimizer-state shard. A screen
     that may skip a configuration only when even this exceeds the limit."""
     t = _TRAITS[cfg.method]
-    p_bytes = 4 if wl.precision is Precision.FP32 else 2
+    p_bytes = _activation_bytes(wl)
     held = 0 if t.param_shard == "host" else params * p_bytes // _shard(t.param_shard, layout, cfg.tp)
     if cfg.pp > 1:
         # A pipeline rank's stage keeps its parameters whole and their gradients unreduced through the step:
@@ -508,6 +508,12 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
         held = params * (p_bytes + grad_bytes) // (cfg.pp * cfg.tp)
     states = 0 if t.offload else trainable * _state_bytes_per_element(wl) // _shard(t.state_shard, layout, cfg.tp)
     return held + states
+
+
+def _activation_bytes(wl: Workload) -> int:
+    """Bytes per element of the activations, and of the parameters as the step holds them: fp32 runs in
+    fp32, every other precision in its 16-bit dtype (mixed precision's FSDP2 gathers and computes in it)."""
+    return 4 if wl.precision is Precision.FP32 else 2
 
 
 def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
@@ -655,7 +661,7 @@ def _candidate(ctx: _Context, cfg: _Config, base: _Base, profiles: _Profiles, mb
     flops = profiles.flops(mb, gc).scaled(1.0 / cfg.tp)
     state_shard = _shard(t.state_shard, ctx.layout, cfg.tp)
     elems = ctx.trainable // state_shard
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    es = _activation_bytes(ctx.workload)
     pcie = 0
     if t.offload:
         pcie = accum * es * elems + es * elems  # gradients down each micro-step, parameters up once
@@ -719,7 +725,7 @@ def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool, split: tuple[int, int]
 
     _, v = _PP[cfg.method]
     microbatches = split[0] * split[1]  # over all the optimizer step's schedule steps
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    es = _activation_bytes(ctx.workload)
     p2p = 2 * microbatches * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
     layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
     tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
@@ -730,8 +736,9 @@ def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool, split: tuple[int, int]
 
 def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _Profiles, gc: bool,
                   split: tuple[int, int]) -> Candidate:
-    """A pipeline candidate from its method's estimate at exactly its configuration (fast mode: the stages
-    at 1 and 2 layers, extrapolated; the microbatches composed)."""
+    """A pipeline candidate from its method's estimate at exactly its configuration (the microbatches
+    composed; fast mode, the stages at 1 and 2 layers extrapolated, unless :func:`_screened_at_full_depth`:
+    then the estimate is the one verification would make, and the candidate is verified)."""
     from llmem_plugin.methods.pp import pipeline_across_nodes
 
     m, k = split
@@ -751,7 +758,8 @@ def _pp_candidate(ctx: _Context, cfg: _Config, est: MethodEstimate, profiles: _P
         grad_checkpointing=gc, offload=None,
         device_total_bytes=w.device_total_bytes, peak_allocated_bytes=w.peak_allocated_bytes,
         peak_reserved_bytes=w.peak_reserved_bytes, limit_bytes=ctx.limit,
-        fits=w.device_total_bytes <= ctx.limit and host_fits, verified=False, time=st,
+        fits=w.device_total_bytes <= ctx.limit and w.fits and host_fits,
+        verified=_screened_at_full_depth(ctx, cfg), time=st,
         tokens_per_s=ctx.global_batch * ctx.workload.seq_len / st.total_s,
         segments=_segments(est, w.peak_allocated_bytes, w.peak_reserved_bytes, 0.0),
         host_bytes_per_node=host, host_limit_bytes=ctx.host_limit, host_fits=host_fits,
@@ -826,6 +834,17 @@ def _micro_batch_plan(ctx: _Context, cfg: _Config, pinned: int | None) -> tuple[
     if not mbs:
         raise _BatchError(f"micro-batch {pinned} does not divide the {per_rank} sequences per rank")
     return per_rank, mbs
+
+
+def _screened_at_full_depth(ctx: _Context, cfg: _Config) -> bool:
+    """Whether a pipeline configuration's fast-mode screen is its full-depth estimate: every stage has at
+    most :data:`~llmem_plugin.methods.pp.FAST_FULL_DEPTH_LAYERS` layers, which fast mode traces whole. Its
+    candidates are then verified by the screen (a second trace would repeat the same one)."""
+    from llmem_plugin.methods.pp import FAST_FULL_DEPTH_LAYERS, stage_specs
+
+    v = _PP[cfg.method][1]
+    specs = stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v)
+    return max(sp.stop - sp.start for sp in specs) <= FAST_FULL_DEPTH_LAYERS
 
 
 def _run_task(task: tuple) -> Any:
@@ -979,7 +998,7 @@ def _receive_buffers_bound(ctx: _Context, cfg: _Config) -> int:
     (:func:`_lower_bound`'s) holds them beside its own. At the configuration's fewest microbatches per
     schedule step (:func:`_pipeline_splits`)."""
     m = min(m for m, _ in _pipeline_splits(ctx, cfg))
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    es = _activation_bytes(ctx.workload)
     return m * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
 
 
@@ -998,7 +1017,7 @@ def _time_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> f
     dp = ctx.layout.num_gpus // cfg.tp
     per_rank = ctx.global_batch // dp
     flops = profiles.flops(1, gc).scaled(per_rank / cfg.tp)  # one micro-step of the whole share
-    es = 4 if ctx.workload.precision is Precision.FP32 else 2
+    es = _activation_bytes(ctx.workload)
     elems = ctx.trainable // _shard(t.state_shard, ctx.layout, cfg.tp)
     pcie = 2 * es * elems if t.offload else 0
     if t.offload == "params":
@@ -1356,12 +1375,11 @@ def plan(
     choice = None
     tried = 0
     while True:
-        nxt = next((i for i, c in enumerate(candidates) if c.fits and id(c) not in rejected and not c.verified),
-                   None)
+        nxt = next((i for i, c in enumerate(candidates) if c.fits and id(c) not in rejected), None)
         if nxt is None:
             break
         c = candidates[nxt]
-        if not verify:
+        if not verify or c.verified:  # a pipeline screened at full depth is verified by its screen
             choice = c
             break
         if tried >= max_verify:

@@ -59,15 +59,37 @@ def test_the_pipeline_choice_is_the_methods_own_estimate(pp_plan):
                           gpu="h100-sxm", pipeline_degree=c.pp, microbatches=c.grad_accum, return_outputs=False)
     assert c.device_total_bytes == est.worst.device_total_bytes
     assert c.peak_allocated_bytes == est.worst.peak_allocated_bytes
-    # The other one was screened from the method's fast mode at its own configuration.
+    # The others are the method's own estimates at their configurations: in fast mode where a stage is deeper
+    # than fast mode traces whole (pipeline 2: stages of 4 layers), at full depth otherwise (pipeline 4: at most
+    # 3), which verifies them.
     for other in (x for x in pp_plan.candidates if x is not c):
-        wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=other.grad_checkpointing,
-                                 grad_accum_steps=other.schedule_steps)
-        fast = estimate_method("pp", tiny_config("llama", num_hidden_layers=8), wl,
-                               layout=Layout(num_gpus=4, tp=other.tp),
-                               gpu="h100-sxm", pipeline_degree=other.pp, microbatches=other.grad_accum,
-                               fast=not other.verified, return_outputs=False)
-        assert other.device_total_bytes == fast.worst.device_total_bytes
+        assert other.verified == (other.pp == 4)
+        assert other.device_total_bytes == _method_estimate(other, 8, fast=not other.verified).worst.device_total_bytes
+
+
+def _method_estimate(c, layers: int, *, fast: bool):
+    wl = dataclasses.replace(WL, micro_batch_size=1, grad_checkpointing=c.grad_checkpointing,
+                             grad_accum_steps=c.schedule_steps)
+    return estimate_method("pp", tiny_config("llama", num_hidden_layers=layers), wl,
+                           layout=Layout(num_gpus=4, tp=c.tp), gpu="h100-sxm", pipeline_degree=c.pp,
+                           microbatches=c.grad_accum, fast=fast, return_outputs=False)
+
+
+def test_shallow_stages_are_screened_at_full_depth_and_need_no_verification(monkeypatch):
+    """Stages of at most pp.FAST_FULL_DEPTH_LAYERS layers: fast mode traces them whole, so every pipeline
+    candidate is the method's full-depth estimate at its configuration and the choice is not traced again."""
+    import llmem_plugin.planner as planner
+
+    def refuse(*_):
+        raise AssertionError("a pipeline screened at full depth was traced again")
+
+    monkeypatch.setattr(planner, "_verify", refuse)
+    p = plan(tiny_config("llama", num_hidden_layers=4), gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"],
+             global_batch=8, grad_checkpointing=False, prune=False)
+    assert p.choice is not None and p.choice.verified and p.candidates
+    for c in p.candidates:
+        assert c.verified
+        assert c.device_total_bytes == _method_estimate(c, 4, fast=False).worst.device_total_bytes
 
 
 @pytest.mark.parametrize("kwargs,match", [
