@@ -144,6 +144,13 @@ def _methods(methods: list[str] | None) -> list[str]:
     if methods is None:
         return list(PLUGINS)
     unknown = [m for m in methods if m not in PLUGINS]
+    if any(m.startswith("pp") for m in unknown):
+        # ColossalAI's own schedules (OneForwardOneBackwardSchedule under HybridParallelPlugin(pp_size=...))
+        # keep other buffers than torch's pipelining, which the planner's pipeline candidates trace.
+        raise ConfigError(f"methods {methods!r}: the planner's pipelines are torch's pipelining, not "
+                          "HybridParallelPlugin(pp_size=...)'s schedule, which is not estimated; valid: "
+                          f"{', '.join(PLUGINS)}. HINT: drop the pipeline methods here, or plan with `llmem plan` and "
+                          "run the pipeline with torchtitan")
     if unknown:
         raise ConfigError(f"method '{unknown[0]}' has no ColossalAI plugin; valid: {', '.join(PLUGINS)}. "
                           "HINT: pass methods= with names from this list")

@@ -115,6 +115,15 @@ def to_deepspeed_config(plan: Any, candidate: Any = None, *, optimizer: bool = T
     c = candidate if candidate is not None else plan.choice
     if c is None:
         raise ConfigError("the plan has no choice (nothing fits). HINT: apply one of plan.suggestions and re-plan")
+    if c.pp > 1:
+        # DeepSpeed's PipelineEngine is not torch's pipelining: it keeps num_pipe_buffers() =
+        # max(2, min(stages - stage_id, micro_batches)) input/output buffers per stage and clones its inputs
+        # (deepspeed/runtime/pipe/schedule.py, TrainSchedule), where torch's stage keeps one receive buffer per
+        # microbatch; the plan's estimate is torch's.
+        raise ConfigError(f"candidate '{c.label()}' runs torch's pipelining, whose memory is not DeepSpeed's "
+                          "PipelineEngine's (other buffers), so no DeepSpeed config is written for it. HINT: run it "
+                          "with torchtitan (the estimate's notes print its TOML), or plan with methods=['zero1', "
+                          "'zero2', 'zero3', 'zero2-offload', 'zero3-offload'] for DeepSpeed")
     if c.method not in _ZERO:
         raise ConfigError(f"method '{c.method}' is not DeepSpeed ZeRO; valid: {', '.join(_ZERO)}. "
                           "HINT: plan with methods=['zero1', 'zero2', 'zero3', 'zero2-offload', 'zero3-offload']")

@@ -127,6 +127,8 @@ def test_one_gpu_is_one_rank_ddp_estimated_as_such(model):
 def test_user_errors_name_the_value_and_the_fix(model):
     with pytest.raises(ConfigError, match="method 'zero3' has no ColossalAI plugin; valid: ddp"):
         adapter.choose_plugin(model, seq_len=64, gpu="h100-sxm", cluster=4, methods=["zero3"])
+    with pytest.raises(ConfigError, match=r"torch's pipelining, not HybridParallelPlugin\(pp_size=...\)'s schedule"):
+        adapter.choose_plugin(model, seq_len=64, gpu="h100-sxm", cluster=4, methods=["ddp", "pp"])
     with pytest.raises(ConfigError, match="unknown precision 'fp8'.*HINT"):
         adapter.choose_plugin(model, seq_len=64, gpu="h100-sxm", cluster=4, precision="fp8")
     with pytest.raises(ConfigError, match="cluster must be.*HINT"):

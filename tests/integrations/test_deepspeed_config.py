@@ -189,6 +189,10 @@ def test_a_plan_without_a_deepspeed_choice_is_refused(zero_plan):
         to_deepspeed_config(zero_plan, other)
     with pytest.raises(ConfigError, match="no choice"):
         to_deepspeed_config(dataclasses.replace(zero_plan, choice=None))
+    # A pipeline candidate is torch's pipelining, whose buffers DeepSpeed's PipelineEngine does not keep.
+    pipeline = dataclasses.replace(zero_plan.candidates[0], method="pp", pp=2, schedule_steps=1)
+    with pytest.raises(ConfigError, match=r"^candidate 'pp2 .*' runs torch's pipelining.*HINT: run it with torchtitan"):
+        to_deepspeed_config(zero_plan, pipeline)
 
 
 def test_trainers_that_build_their_optimizer_get_no_optimizer_section(zero_plan):
