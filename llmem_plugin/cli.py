@@ -837,7 +837,9 @@ def _parser_plan(sub) -> None:
     g = p.add_argument_group("search", "what the planner tries; a pinned setting is not searched")
     g.add_argument("--margin", type=_float_arg("--margin", 0, 1, high_open=True, example="0.05"), default=None,
                    help="fraction of GPU memory kept free (default 0.05)")
-    g.add_argument("--methods", default=None, help="comma-separated methods to consider (default: all)")
+    g.add_argument("--methods", default=None,
+                   help="comma-separated methods to consider (default: all but pp-interleaved, searched only when "
+                        "named)")
     g.add_argument("--tp", default=None, help="comma-separated tensor-parallel degrees (default: all that fit a node)")
     g.add_argument("--micro-batch", type=_MICRO_BATCH, default=None, help="pin the micro-batch (default: searched)")
     g.add_argument("--grad-checkpointing", choices=("auto", "on", "off"), default="auto",

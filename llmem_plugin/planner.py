@@ -121,14 +121,21 @@ _TRAITS: dict[str, _Traits] = {
     # the parameters and states; FSDP2 gathers once per step and reduces once (reshard_after_forward=False,
     # no sync until the last microbatch), prefetched behind compute.
     "pp": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
+    # The same with torch's interleaved 1F1B: two stages per rank (torchtitan's default for it).
+    "pp-interleaved": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
 }
 # Pipeline methods: their schedule and stages per rank. Each candidate runs microbatches of one row
 # (torchtitan's default pipeline_parallel_microbatch_size = 1): for a given rank's share of the batch, one
 # row per microbatch has the fewest microbatches in flight and the most microbatches (the smallest bubble);
 # the receive buffers, m of one row each, hold the same bytes at any split.
-# (The other schedules are estimated by ``llmem estimate --method``; the planner searches 1F1B, whose bubble
-# the cited model covers and whose stand-in pipelines are quick to find at any degree.)
-_PP = {"pp": ("1f1b", 1)}
+# The planner searches 1F1B and interleaved 1F1B with two stages per rank, whose bubbles the cited model
+# covers ((p - 1) / m and (p - 1) / (v m)); the zero-bubble and V schedules are estimated by
+# ``llmem estimate --method`` only. A name's label in a plan: "pp4", "pp4 interleaved".
+_PP = {"pp": ("1f1b", 1), "pp-interleaved": ("interleaved-1f1b", 2)}
+
+
+def _pipeline_label(method: str, pp: int) -> str:
+    return f"pp{pp}" + ("" if method == "pp" else " " + method.removeprefix("pp-"))
 # The schedule's step as torchtitan's trainer calls it: ``pp_schedule.step(..., return_outputs=False)``
 # (torchtitan/trainer.py at b5bcd76, 2026-08), so the last stage keeps no microbatch's logits past its
 # loss and every rank is composed from short runs (methods/pp_compose.py) at any microbatch count.
@@ -147,9 +154,21 @@ DPO_NOT_SEARCHED = ("llmem plan does not search TRL DPO's paired rows yet (its m
                     "--batch-size for each layout to compare")
 
 
+# Searched only when named (methods=[...], --methods): interleaved 1F1B's stand-in pipelines run tens of
+# microbatches each (pipeline 16, 64 microbatches: 9 distinct stand-ins of 15 to 45 microbatches, and 6 of
+# the 16 ranks with none smaller, traced whole), where 1F1B's run 4 to 12 (6 stand-ins, none whole): several
+# times a 1F1B configuration's minutes at Llama-3.1-405B's scale (benchmarks/results/pp-search-2026-11-28.json).
+_NAMED_ONLY = ("pp-interleaved",)
+
+
 def planner_methods() -> list[str]:
     """Every method name the planner searches (registry names plus variants)."""
     return list(_TRAITS)
+
+
+def default_methods() -> list[str]:
+    """The methods a plan searches when none are named: all but :data:`_NAMED_ONLY`."""
+    return [m for m in _TRAITS if m not in _NAMED_ONLY]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,7 +244,7 @@ class Candidate:
         gc = " +ckpt" if self.grad_checkpointing else ""
         if self.pp > 1:  # grad_accum is the pipeline's microbatch count, per schedule step
             steps = f" x{self.schedule_steps} steps" if self.schedule_steps > 1 else ""
-            return f"{self.method}{self.pp}{tp} mb{self.micro_batch}x{self.grad_accum}{steps}{gc}"
+            return f"{_pipeline_label(self.method, self.pp)}{tp} mb{self.micro_batch}x{self.grad_accum}{steps}{gc}"
         return f"{self.method}{tp} mb{self.micro_batch}x{self.grad_accum}{gc}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -1081,7 +1100,7 @@ def _verify(ctx: _Context, c: Candidate) -> Candidate:
 def _configs(ctx: _Context, methods: list[str] | None, tps: list[int] | None) -> tuple[list[_Config], list]:
     layout = ctx.layout
     skipped: list[tuple[str, str]] = []
-    names = methods or planner_methods()
+    names = methods or default_methods()
     unknown = [m for m in names if m not in _TRAITS]
     if unknown:
         raise ConfigError(f"unknown method '{unknown[0]}'; valid: {', '.join(planner_methods())}. "
@@ -1276,7 +1295,7 @@ def plan(
     configs, skipped = _configs(ctx, methods, tps)
     if not configs:
         # Nothing to search: the reason is the layout, not the memory.
-        raise ConfigError(_inapplicable_line(methods or planner_methods(), layout, skipped))
+        raise ConfigError(_inapplicable_line(methods or default_methods(), layout, skipped))
     todo, host_needs = [], []
     for cfg in configs:
         lb = _lower_bound(cfg, layout, params, trainable, wl)
@@ -1446,7 +1465,7 @@ def plan(
 def _cfg_label(cfg: _Config) -> str:
     tp = f" tp{cfg.tp}" if cfg.tp > 1 else ""
     if cfg.pp > 1:
-        return f"{cfg.method}{cfg.pp}{tp}"
+        return f"{_pipeline_label(cfg.method, cfg.pp)}{tp}"
     return f"{cfg.method}{tp}"
 
 

@@ -12,7 +12,10 @@ depends on the schedule. Sources, torch 2.13 ``torch/distributed/pipelining``:
   the loop runs, so 1F1B is built here from the loop;
 * every other schedule: its own action list, as
   ``_schedule_visualizer.get_schedule_ops`` builds it without a process group
-  (``PipelineScheduleMulti`` subclasses run exactly that list). An
+  (``PipelineScheduleMulti`` subclasses run exactly that list; built here the
+  same way, the schedule class given stand-in stages, but with a plain object
+  where ``get_schedule_ops`` makes a ``mock.create_autospec`` of
+  ``PipelineStage`` per call, which dominated the stand-in search's time). An
   ``OVERLAP_F_B`` action (DualPipeV) runs its sub-actions in order, forward
   first, when no overlap callback is registered (``_PipelineScheduleRuntime``,
   ``for sub_a in action.sub_actions: _perform_action(sub_a)``).
@@ -86,6 +89,27 @@ def _one_f_one_b(p: int, m: int) -> list[list[Chunk]]:
     return ranks
 
 
+class _StageStandIn:
+    """What a schedule's constructor reads of its stages when it only builds the action lists: the rank's
+    place in its group and the stage count (``get_schedule_ops`` sets the same on its mock). Anything else
+    raises, so a schedule that reads more fails loudly instead of reading a mock's default."""
+
+    def __init__(self, p: int, stages: int) -> None:
+        self.group_rank, self.group_size, self.num_stages, self.submod = 0, p, stages, None
+
+
+def _schedule_ops(schedule: str, p: int, m: int, v: int) -> list[list]:
+    """torch's action list of every rank, as ``_schedule_visualizer.get_schedule_ops(name, p, m, v)``
+    returns it (checked equal in tests/methods/test_pp_schedule.py)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    cls = get_schedule_class(SCHEDULES[schedule])
+    stages = _StageStandIn(p, p) if issubclass(cls, PipelineScheduleSingle) else [
+        _StageStandIn(p, p * v) for _ in range(v)]
+    order = cls(stages, m).pipeline_order
+    return [list(order[rank]) for rank in range(p)]
+
+
 def rank_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Chunk]]:
     """Each rank's compute actions in the order it runs them.
 
@@ -101,13 +125,12 @@ def rank_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[Chunk]]
     _check(schedule, p, m, v)
     if schedule == "1f1b":
         return _one_f_one_b(p, m)
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     from torch.distributed.pipelining.schedules import _ComputationType
 
     kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
              _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
     try:
-        schedule_ops = get_schedule_ops(SCHEDULES[schedule], p, m, num_stages_per_rank=None if v == 1 else v)
+        schedule_ops = _schedule_ops(schedule, p, m, v)
     except ValueError as e:  # the schedule's own check (DualPipeV: at least as many microbatches as stages)
         raise ConfigError(f"{schedule} with {p} ranks, {m} microbatches and {v} stages per rank: "
                           f"{' '.join(str(e).split()).rstrip('.')}. HINT: pass more microbatches") from None

@@ -103,3 +103,21 @@ def test_first_stage_equals_megatron_schedule_factors(p, k, v):
     assert len(in_flight("interleaved-1f1b", p, p, v)[0]) == p * v
     penalty = 1 + (p - 1) / (p * v)
     assert len(in_flight("interleaved-1f1b", p, m, v)[0]) == round(penalty * p * v) == p * v + p - 1
+
+
+@pytest.mark.parametrize("schedule", sorted(set(SCHEDULES) - {"1f1b"}))
+def test_action_lists_are_torchs_own(schedule):
+    """The action lists are what torch's _schedule_visualizer.get_schedule_ops builds (with a mocked stage),
+    for each schedule over a grid of degrees, microbatch counts and stages per rank."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from llmem_plugin.methods.pp_schedule import _schedule_ops
+
+    grid = [1] if schedule == "gpipe" else [2, 3] if schedule.startswith("interleaved") else [2]
+    for v in grid:
+        for p in (2, 4, 8):
+            for m in (p, 2 * p, 3 * p):
+                if schedule == "dualpipev" and m < 2 * p:
+                    continue  # torch refuses fewer microbatches than stages
+                want = get_schedule_ops(SCHEDULES[schedule], p, m, num_stages_per_rank=None if v == 1 else v)
+                assert _schedule_ops(schedule, p, m, v) == want, (p, m, v)

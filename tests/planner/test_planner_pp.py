@@ -156,3 +156,20 @@ def test_the_plan_traces_at_most_its_pipeline_budget():
     reasons = dict(e.value.plan.skipped)
     assert not e.value.plan.candidates
     assert all(reasons[n].startswith("not traced: the plan traces the 0 pipeline configuration(s)") for n in names)
+
+
+def test_interleaved_pipelines_are_planned_with_their_smaller_bubble():
+    """pp-interleaved: torch's interleaved 1F1B with two stages per rank, the bubble (p - 1) / (v m) of the
+    compute (Narayanan et al., SC'21, §2.2.2), half of 1F1B's at the same split; its memory the method's own
+    estimate at exactly the candidate's configuration."""
+    p = plan(tiny_config("llama", num_hidden_layers=8), gpu="h100-sxm", num_gpus=4, workload=WL,
+             methods=["pp-interleaved"], tps=[1], global_batch=8, grad_checkpointing=False, prune=False)
+    assert sorted((c.pp, c.grad_accum, c.schedule_steps) for c in p.candidates) == [(2, 4, 1), (4, 8, 1)]
+    for c in p.candidates:
+        assert c.label().startswith(f"pp{c.pp} interleaved mb1x{c.grad_accum}")
+        assert c.time.bubble_s == pytest.approx(c.time.compute_s * (c.pp - 1) / (2 * c.grad_accum))
+        wl = dataclasses.replace(WL, micro_batch_size=1, grad_accum_steps=c.schedule_steps)
+        est = estimate_method("pp-interleaved", tiny_config("llama", num_hidden_layers=8), wl,
+                              layout=Layout(num_gpus=4), gpu="h100-sxm", pipeline_degree=c.pp,
+                              microbatches=c.grad_accum, return_outputs=False)
+        assert c.device_total_bytes == est.worst.device_total_bytes
