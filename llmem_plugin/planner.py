@@ -740,13 +740,14 @@ def _pp_path_bytes(ctx: _Context, cfg: _Config, gc: bool, split: tuple[int, int]
     """(P2P, TP) bytes a pipeline candidate's rank sends per step on the critical path: each microbatch's
     activations and input gradients per stage, and TP's collectives over the deepest rank's decoder layers
     under torchtitan's split, as the method counts them (:func:`llmem_plugin.methods.pp.tensor_parallel_bytes`)."""
-    from llmem_plugin.methods.pp import stage_specs, tensor_parallel_bytes
+    from llmem_plugin.methods.pp import rank_layers, stage_specs, tensor_parallel_bytes
 
-    _, v = _PP[cfg.method]
+    schedule, v = _PP[cfg.method]
     microbatches = split[0] * split[1]  # over all the optimizer step's schedule steps
     es = _activation_bytes(ctx.workload)
     p2p = 2 * microbatches * v * ctx.workload.seq_len * int(ctx.config.hidden_size) * es
-    layers = max(s.stop - s.start for s in stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
+    # The rank's stages run one after another: its TP collectives cover all of their layers.
+    layers = rank_layers(schedule, cfg.pp, v, stage_specs(modelbuild.num_layers(ctx.config), cfg.pp * v))
     tp_bytes = tensor_parallel_bytes(micro_batch=1, seq_len=ctx.workload.seq_len, hidden=int(ctx.config.hidden_size),
                                      vocab=int(ctx.config.vocab_size), layers=layers, microbatches=microbatches,
                                      tp=cfg.tp, bytes_per=es, recompute=gc)

@@ -466,6 +466,11 @@ def pipeline_across_nodes(layout: Layout) -> bool:
     return layout.num_nodes > 1
 
 
+def rank_layers(schedule: str, p: int, v: int, specs: list[StageSpec]) -> int:
+    """Decoder layers of the pipeline rank that holds the most: the sum over each rank's stages."""
+    return max(sum(specs[s].stop - specs[s].start for s in stages_of_rank(schedule, p, pr, v)) for pr in range(p))
+
+
 def tensor_parallel_bytes(*, micro_batch: int, seq_len: int, hidden: int, vocab: int, layers: int, microbatches: int,
                           tp: int, bytes_per: int, recompute: bool) -> int:
     """Bytes one TP rank sends per step inside a stage of ``layers`` decoder layers (the plan without
@@ -794,10 +799,9 @@ def estimate(
         gather = 2 if wl.precision.autocast_dtype is not None else bytes_per
         reduce = 4 if wl.precision.autocast_dtype is not None else bytes_per
         fsdp_bytes = accum * numel * (gather + reduce) * (dp - 1) // dp  # each TP rank's local shards
-    layers = max(sum(specs[s_].stop - specs[s_].start for s_ in stages_of_rank(schedule, p, pr, v))
-                 for pr in range(p))
     tp_bytes = tensor_parallel_bytes(micro_batch=wl.micro_batch_size, seq_len=wl.seq_len, hidden=hidden,
-                                     vocab=int(base.config.vocab_size), layers=layers, microbatches=m * accum, tp=tp,
+                                     vocab=int(base.config.vocab_size), layers=rank_layers(schedule, p, v, specs),
+                                     microbatches=m * accum, tp=tp,
                                      bytes_per=bytes_per, recompute=wl.grad_checkpointing)
     # A pipeline rank's dp x tp ranks are consecutive (torchtitan's mesh: pipeline outermost, TP innermost),
     # so its FSDP2 group stays inside a node when those blocks tile the nodes; TP does (Layout keeps it in a

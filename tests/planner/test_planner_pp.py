@@ -173,3 +173,24 @@ def test_interleaved_pipelines_are_planned_with_their_smaller_bubble():
                               layout=Layout(num_gpus=4), gpu="h100-sxm", pipeline_degree=c.pp,
                               microbatches=c.grad_accum, return_outputs=False)
         assert c.device_total_bytes == est.worst.device_total_bytes
+
+
+@pytest.mark.parametrize("method", ["pp", "pp-interleaved"])
+def test_the_critical_path_bytes_are_the_methods_own_count(method):
+    """Pipeline 2 x TP 2 on 4 GPUs leaves no FSDP2 inside the stages, so the method's whole traffic is its
+    P2P and TP bytes: the planner's critical-path bytes (each rank's TP collectives over all of its stages'
+    layers: two stages per rank interleaved) must equal them."""
+    from llmem_plugin import modelbuild
+    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.planner import _Config, _Context, _pp_path_bytes
+
+    model = tiny_config("llama", num_hidden_layers=8)
+    wl = dataclasses.replace(WL, micro_batch_size=1)
+    n = sum(q.numel() for q in modelbuild.build_model(model, wl, device="meta").parameters())
+    layout = Layout(num_gpus=4, tp=2)
+    ctx = _Context(model=model, config=model, workload=wl, layout=layout, gpu=get_gpu("h100-sxm"), network=None,
+                   global_batch=8, limit=0, alloc_conf=None, efficiency=1.0, params=n, trainable=n)
+    p2p, tp_bytes = _pp_path_bytes(ctx, _Config(method, 2, 2), False, (8, 1))
+    est = estimate_method(method, model, wl, layout=layout, gpu="h100-sxm", pipeline_degree=2, microbatches=8,
+                          return_outputs=False, ranks=[0])
+    assert p2p + tp_bytes == est.comm_intra_node_bytes + est.comm_inter_node_bytes
