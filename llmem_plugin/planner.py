@@ -132,10 +132,6 @@ _TRAITS: dict[str, _Traits] = {
 # covers ((p - 1) / m and (p - 1) / (v m)); the zero-bubble and V schedules are estimated by
 # ``llmem estimate --method`` only. A name's label in a plan: "pp4", "pp4 interleaved".
 _PP = {"pp": ("1f1b", 1), "pp-interleaved": ("interleaved-1f1b", 2)}
-
-
-def _pipeline_label(method: str, pp: int) -> str:
-    return f"pp{pp}" + ("" if method == "pp" else " " + method.removeprefix("pp-"))
 # The schedule's step as torchtitan's trainer calls it: ``pp_schedule.step(..., return_outputs=False)``
 # (torchtitan/trainer.py at b5bcd76, 2026-08), so the last stage keeps no microbatch's logits past its
 # loss and every rank is composed from short runs (methods/pp_compose.py) at any microbatch count.
@@ -159,6 +155,10 @@ DPO_NOT_SEARCHED = ("llmem plan does not search TRL DPO's paired rows yet (its m
 # the 16 ranks with none smaller, traced whole), where 1F1B's run 4 to 12 (6 stand-ins, none whole): several
 # times a 1F1B configuration's minutes at Llama-3.1-405B's scale (benchmarks/results/pp-search-2026-11-28.json).
 _NAMED_ONLY = ("pp-interleaved",)
+
+
+def _pipeline_label(method: str, pp: int) -> str:
+    return f"pp{pp}" + ("" if method == "pp" else " " + method.removeprefix("pp-"))
 
 
 def planner_methods() -> list[str]:
