@@ -239,6 +239,12 @@ class Candidate:
         return (self.method, self.tp, self.pp, self.micro_batch, self.grad_checkpointing,
                 *((self.grad_accum, self.schedule_steps) if self.pp > 1 else ()))
 
+    @property
+    def method_label(self) -> str:
+        """The method as the plan's table names it: with its pipeline degree and schedule for a pipeline
+        (``pp4``, ``pp4 interleaved``)."""
+        return _pipeline_label(self.method, self.pp) if self.pp > 1 else self.method
+
     def label(self) -> str:
         tp = f" tp{self.tp}" if self.tp > 1 else ""
         gc = " +ckpt" if self.grad_checkpointing else ""

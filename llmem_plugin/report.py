@@ -405,7 +405,9 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
         chosen = c is plan.choice
         table.add_row(
             "*" if chosen else ("" if c.fits else "x"),
-            c.method + (str(c.pp) if c.pp > 1 else ""), str(c.tp), str(c.micro_batch), str(c.grad_accum),
+            # A pipeline's accumulation: its microbatches per schedule step, x its schedule steps.
+            c.method_label, str(c.tp), str(c.micro_batch),
+            str(c.grad_accum) + (f"x{c.schedule_steps}" if c.pp > 1 and c.schedule_steps > 1 else ""),
             "yes" if c.grad_checkpointing else "",
             c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes),
             gib(c.host_bytes_per_node) + ("" if c.host_fits else " (over)"), f"{c.step_time_s:.3g}",

@@ -137,3 +137,20 @@ def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
     assert code == 0, err
     assert png.read_bytes()[:8] == PNG
 
+
+
+def test_the_table_names_a_pipeline_by_degree_and_schedule(capsys, tmp_path):
+    """A pipeline row: its degree and schedule in the method column (`pp2 interleaved`), and its microbatches
+    per schedule step x its schedule steps in the accumulation column (4x2: torchtitan's accumulation)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "vocab_size": 256}))
+    code, out, err = run(capsys, "plan", "--model", str(cfg), "--seq-len", "32", "--gpus", "4", "--gpu", "h100-sxm",
+                         "--methods", "pp-interleaved", "--tp", "1", "--global-batch", "16", "--precision", "fp32",
+                         "--grad-checkpointing", "off", "--no-prune")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "pp2" in line]
+    assert rows and all("pp-interleaved" not in line for line in out.splitlines())
+    assert any("4x2" in line for line in rows) and any(" 8 " in line for line in rows)
+    assert "choice: pp2 interleaved mb1x" in out
