@@ -125,7 +125,8 @@ _TRAITS: dict[str, _Traits] = {
     "pp-interleaved": _Traits(False, False, Overlap.FORWARD_BACKWARD, "dp", "dp"),
 }
 # Pipeline methods: their schedule and stages per rank. Each candidate runs microbatches of one row
-# (torchtitan's default pipeline_parallel_microbatch_size = 1): for a given rank's share of the batch, one
+# (torchtitan's pipeline_parallel_microbatch_size default of 1 at 000204a; num_tokens_per_microbatch_per_dp_rank
+# = seq_len at b5bcd76, whose default is 16384 tokens): for a given rank's share of the batch, one
 # row per microbatch has the fewest microbatches in flight and the most microbatches (the smallest bubble);
 # the receive buffers, m of one row each, hold the same bytes at any split.
 # The planner searches 1F1B and interleaved 1F1B with two stages per rank, whose bubbles the cited model
@@ -837,7 +838,7 @@ _MAX_SCHEDULE_STEPS = 64
 def _pipeline_splits(ctx: _Context, cfg: _Config) -> list[tuple[int, int]]:
     """The (microbatches per schedule step, schedule steps per optimizer step) a pipeline configuration is
     planned at, all of its rank's share: the whole share in one schedule step, and torchtitan's gradient
-    accumulation over 2, 4, ... steps (``global_batch_size`` over ``local_batch_size x dp``) while each step
+    accumulation over 2, 4, ... steps (``num_tokens_per_train_step`` over a step's tokens x dp) while each step
     keeps at least two microbatches per stage (a shorter step is mostly bubble). Fewer microbatches per step
     hold fewer receive buffers; more have a smaller bubble and fewer FSDP2 gathers and reductions."""
     share = _pipeline_microbatches(ctx, cfg, None)

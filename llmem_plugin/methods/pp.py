@@ -489,23 +489,27 @@ def tensor_parallel_bytes(*, micro_batch: int, seq_len: int, hidden: int, vocab:
 
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
                         micro_batch_size: int, seq_len: int, tp: int = 1, accumulation: int = 1) -> str:
-    """The job in torchtitan's TOML keys (torchtitan/config/job_config.py: ``[parallelism]``
-    ``pipeline_parallel_degree``, ``pipeline_parallel_schedule`` (torch's schedule class name),
-    ``pipeline_parallel_microbatch_size``, ``data_parallel_shard_degree``, ``tensor_parallel_degree`` with
-    ``enable_sequence_parallel`` off as estimated; ``[training]``
-    ``local_batch_size``, whose division by the microbatch size is the microbatch count, ``seq_len``, and
-    with gradient accumulation ``global_batch_size``: torchtitan/train.py at 000204a runs
-    ``global_batch_size // (local_batch_size x data-parallel degree)`` schedule steps per optimizer step).
-    torchtitan's default split is the one estimated (first and last stage one layer less)."""
-    return (f'[parallelism] pipeline_parallel_degree = {pipeline_degree}, pipeline_parallel_schedule = '
-            f'"{SCHEDULES[schedule]}", pipeline_parallel_microbatch_size = {micro_batch_size}, '
-            f'data_parallel_shard_degree = {dp_shard}'
-            + (f', tensor_parallel_degree = {tp}, enable_sequence_parallel = false' if tp > 1 else '')
-            + '; [training] local_batch_size = '
-            f'{microbatches * micro_batch_size}'
-            + (f', global_batch_size = {microbatches * micro_batch_size * dp_shard * accumulation}'
-               if accumulation > 1 else '')
-            + f', seq_len = {seq_len}')
+    """The job as torchtitan's config fields (torchtitan/config/configs.py at b5bcd76, also settable as
+    ``--section.field`` flags): ``parallelism.pipeline_parallel_degree``, ``pipeline_parallel_schedule``
+    (torch's schedule class name), ``num_pp_microbatches`` (per data-parallel rank and accumulation
+    step), ``data_parallel_shard_degree``, ``tensor_parallel_degree`` with ``enable_sequence_parallel`` off
+    (its default is on; estimated without it); ``training.num_tokens_per_microbatch_per_dp_rank`` (one
+    microbatch: its rows' tokens, which torchtitan packs into one buffer), ``max_context_length`` (the
+    sequence), and with gradient accumulation ``num_tokens_per_train_step``: torchtitan/trainer.py at
+    b5bcd76 runs ``num_tokens_per_train_step // (tokens per microbatch x num_pp_microbatches x dp)``
+    schedule steps per optimizer step. torchtitan's default split is the one estimated
+    (``pipeline_parallel_first_stage_less_layers`` and ``..._last_stage_less_layers`` = 1)."""
+    tokens = micro_batch_size * seq_len
+    fields = [f"parallelism.pipeline_parallel_degree = {pipeline_degree}",
+              f'parallelism.pipeline_parallel_schedule = "{SCHEDULES[schedule]}"',
+              f"parallelism.num_pp_microbatches = {microbatches}",
+              f"parallelism.data_parallel_shard_degree = {dp_shard}"]
+    if tp > 1:
+        fields += [f"parallelism.tensor_parallel_degree = {tp}", "parallelism.enable_sequence_parallel = false"]
+    fields += [f"training.num_tokens_per_microbatch_per_dp_rank = {tokens}", f"training.max_context_length = {seq_len}"]
+    if accumulation > 1:
+        fields.append(f"training.num_tokens_per_train_step = {tokens * microbatches * dp_shard * accumulation}")
+    return ", ".join(fields)
 
 
 def estimate(
@@ -764,9 +768,9 @@ def estimate(
     # The interleaved schedules' stages per rank follow torchtitan's pipeline_parallel_layers_per_stage,
     # which this section does not set: only the one-stage and V schedules are written out.
     if split == "torchtitan" and (v == 1 or schedule in V_SHAPED):
-        notes.append("torchtitan: " + torchtitan_sections(pipeline_degree=p, dp_shard=dp, tp=tp, schedule=schedule,
-                                                          microbatches=m, micro_batch_size=wl.micro_batch_size,
-                                                          seq_len=wl.seq_len, accumulation=accum))
+        notes.append("torchtitan (b5bcd76): " + torchtitan_sections(
+            pipeline_degree=p, dp_shard=dp, tp=tp, schedule=schedule, microbatches=m,
+            micro_batch_size=wl.micro_batch_size, seq_len=wl.seq_len, accumulation=accum))
     if composed_ranks:
         steps = f" in each of {accum} schedule steps (two run)" if accum > 1 else ""
         notes.append(f"composed: ranks {sorted(set(composed_ranks))} from short runs (a smaller pipeline's at two "

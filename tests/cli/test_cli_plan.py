@@ -122,8 +122,9 @@ def test_estimate_plot_draws_each_rank_of_a_pipeline(capsys, tmp_path, monkeypat
     assert [sum(seg.values()) for _, seg in drawn["rows"]] == [r.device_total_bytes for r in ranks]
     assert drawn["chosen"] == max(range(len(ranks)), key=lambda i: ranks[i].device_total_bytes)
     text = " ".join(out.split())
-    assert "[parallelism] pipeline_parallel_degree = 2," in text
-    assert "tensor_parallel_degree = 2, enable_sequence_parallel = false; [training] local_batch_size = 2" in text
+    assert "torchtitan (b5bcd76): parallelism.pipeline_parallel_degree = 2," in text
+    assert ("parallelism.tensor_parallel_degree = 2, parallelism.enable_sequence_parallel = false, "
+            "training.num_tokens_per_microbatch_per_dp_rank = 64") in text
 
 
 def test_estimate_plot_draws_the_step(capsys, model, tmp_path):

@@ -227,10 +227,12 @@ def test_estimate_reports_every_rank_with_its_communicators():
     assert outside[1] - outside[0] == nccl_buffer_bytes(2) and outside[0] == outside[3] and outside[1] == outside[2]
     looped = estimate_method("pp-interleaved", _config(), WL, layout=Layout(num_gpus=P), gpu=H100, microbatches=M)
     assert all(r.device_total_bytes - r.peak_reserved_bytes == outside[1] for r in looped.ranks)
-    # torchtitan's keys for the same job (torchtitan/config/job_config.py)
-    assert est.notes[2] == ('torchtitan: [parallelism] pipeline_parallel_degree = 4, pipeline_parallel_schedule = '
-                            '"1F1B", pipeline_parallel_microbatch_size = 2, data_parallel_shard_degree = 1; '
-                            '[training] local_batch_size = 16, seq_len = 16')
+    # torchtitan's config fields for the same job (torchtitan/config/configs.py at b5bcd76): a microbatch of
+    # 2 rows of 16 tokens is one buffer of 32.
+    assert est.notes[2] == ('torchtitan (b5bcd76): parallelism.pipeline_parallel_degree = 4, '
+                            'parallelism.pipeline_parallel_schedule = "1F1B", parallelism.num_pp_microbatches = 8, '
+                            'parallelism.data_parallel_shard_degree = 1, '
+                            'training.num_tokens_per_microbatch_per_dp_rank = 32, training.max_context_length = 16')
 
 
 def test_fsdp_inside_stages_is_reported_per_pipeline_rank():
@@ -351,3 +353,18 @@ def test_stages_compute_what_the_model_computes(arch):
             h = stage(h)
         want = model(input_ids=ids).logits
     torch.testing.assert_close(h, want)
+
+
+def test_torchtitan_fields_give_its_trainer_the_same_accumulation():
+    """torchtitan/trainer.py at b5bcd76: gradient_accumulation_steps = num_tokens_per_train_step //
+    (num_tokens_per_microbatch_per_dp_rank x num_pp_microbatches x data-parallel degree)."""
+    from llmem_plugin.methods.pp import torchtitan_sections
+
+    text = torchtitan_sections(pipeline_degree=16, dp_shard=8, schedule="1f1b", microbatches=64, micro_batch_size=1,
+                               seq_len=2048, tp=4, accumulation=8)
+    fields = dict(f.split(" = ") for f in text.split(", "))
+    tokens = int(fields["training.num_tokens_per_microbatch_per_dp_rank"])
+    m, dp = int(fields["parallelism.num_pp_microbatches"]), int(fields["parallelism.data_parallel_shard_degree"])
+    assert tokens == 2048 and int(fields["training.max_context_length"]) == 2048
+    assert int(fields["training.num_tokens_per_train_step"]) // (tokens * m * dp) == 8
+    assert fields["parallelism.enable_sequence_parallel"] == "false"  # torchtitan's default is on
