@@ -924,6 +924,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kw["efficiency"] = args.efficiency
     if args.max_pipelines is not None:
         kw["max_pipelines"] = args.max_pipelines
+    if sys.stderr.isatty():  # a terminal sees what a long search is doing; pipes and logs keep one line
+        kw["progress"] = lambda line: print(f"llmem: {line}", file=sys.stderr, flush=True)
     gc = {"auto": None, "on": True, "off": False}[args.grad_checkpointing]
     try:
         result, code = plan(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1217,6 +1218,7 @@ def plan(
     prune: bool = True,
     host_memory: int | str | None = None,
     max_pipelines: int | None = DEFAULT_MAX_PIPELINES,
+    progress: Callable[[str], None] | None = None,
     _profiles: dict | None = None,
 ) -> Plan:
     """Search the methods for ``model`` on ``num_gpus`` GPUs and pick the fastest that fits.
@@ -1253,6 +1255,8 @@ def plan(
             bounds first; the rest are listed as skipped with that reason. A pipeline configuration's
             trace costs minutes on a large model (every rank's stages run under the schedule), the other
             methods' seconds. None (or ``prune=False``): all.
+        progress: Called with one line (seconds since the start, then what the search traces next) before
+            each batch of screening traces and each verification: a plan of a large model runs for minutes.
 
     Returns:
         The :class:`Plan`.
@@ -1264,6 +1268,11 @@ def plan(
     from llmem_plugin.estimate import _resolve_gpu
 
     t0 = time.perf_counter()
+
+    def say(line: str) -> None:
+        if progress is not None:
+            progress(f"[{time.perf_counter() - t0:.0f} s] {line}")
+
     if not 0 <= margin < 1:
         raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. --margin 0.05 for 5%")
     if max_pipelines is not None and (isinstance(max_pipelines, bool) or not isinstance(max_pipelines, int)
@@ -1320,6 +1329,7 @@ def plan(
     t_screen = time.perf_counter()
     search = _Search(ctx, profiles, gcs, micro_batch)
     if todo:  # nothing left to screen: the model's profile is not needed
+        say("profiling the single-GPU step")
         search.profile()
     units, batch_errors = [], []
     for cfg in todo:
@@ -1383,6 +1393,8 @@ def plan(
             if not ready:
                 return
             batch = ready[: max(_cores(), 1)]
+            say("screening " + ", ".join(_unit_label(*u, gcs) for u in batch)
+                + (" (a pipeline configuration: minutes on a large model)" if any(u[0].pp > 1 for u in batch) else ""))
             traced_pipelines.update(u[0] for u in batch if u[0].pp > 1)
             for u, out in search.expand(batch):
                 pending.remove(u)
@@ -1412,6 +1424,7 @@ def plan(
         if tried >= max_verify:
             break
         tried += 1
+        say(f"verifying {c.label()} at full depth")
         t = time.perf_counter()
         try:
             v = _verify(ctx, c)

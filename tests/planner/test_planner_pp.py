@@ -194,3 +194,16 @@ def test_the_critical_path_bytes_are_the_methods_own_count(method):
     est = estimate_method(method, model, wl, layout=layout, gpu="h100-sxm", pipeline_degree=2, microbatches=8,
                           return_outputs=False, ranks=[0])
     assert p2p + tp_bytes == est.comm_intra_node_bytes + est.comm_inter_node_bytes
+
+
+def test_progress_names_each_trace_before_it_runs():
+    """plan(progress=...) is told, before each batch of screening traces and each verification, what runs
+    next: the profile, the pipeline configurations with their checkpointing, the verification of the choice."""
+    lines: list[str] = []
+    p = plan(tiny_config("llama", num_hidden_layers=8), gpu="h100-sxm", num_gpus=4, workload=WL, methods=["pp"],
+             tps=[1], global_batch=8, grad_checkpointing=False, prune=False, progress=lines.append)
+    assert lines[0].endswith("profiling the single-GPU step")
+    assert any("screening pp2" in line and "minutes on a large model" in line for line in lines)
+    verified = [line for line in lines if "verifying" in line]
+    assert verified == [] if p.choice.pp == 4 else verified[-1].endswith(f"verifying {p.choice.label()} at full depth")
+    assert all(line.startswith("[") and " s] " in line for line in lines)
