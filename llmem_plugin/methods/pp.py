@@ -490,7 +490,7 @@ def tensor_parallel_bytes(*, micro_batch: int, seq_len: int, hidden: int, vocab:
 def torchtitan_sections(*, pipeline_degree: int, dp_shard: int, schedule: str, microbatches: int,
                         micro_batch_size: int, seq_len: int, tp: int = 1, accumulation: int = 1) -> str:
     """The job as torchtitan's config fields (torchtitan/config/configs.py at b5bcd76, also settable as
-    ``--section.field`` flags): ``parallelism.pipeline_parallel_degree``, ``pipeline_parallel_schedule``
+    command-line overrides named section.field): ``parallelism.pipeline_parallel_degree``, ``pipeline_parallel_schedule``
     (torch's schedule class name), ``num_pp_microbatches`` (per data-parallel rank and accumulation
     step), ``data_parallel_shard_degree``, ``tensor_parallel_degree`` with ``enable_sequence_parallel`` off
     (its default is on; estimated without it); ``training.num_tokens_per_microbatch_per_dp_rank`` (one
