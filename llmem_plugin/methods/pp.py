@@ -47,14 +47,17 @@ from llmem_plugin.methods.base import MethodEstimate, RankMemory, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.methods.pp_compose import (
     VirtualPipeline,
-    compose_runs,
+    compose_templates,
+    cut,
+    cut_templates,
     stand_in_stages,
+    templates,
     traced_accumulation,
     virtual_pipeline,
 )
 from llmem_plugin.methods.pp_schedule import SCHEDULES, SINGLE_STAGE, V_SHAPED, in_flight, stages_of_rank
 from llmem_plugin.methods.pp_split import SPLITS, colossalai_split, torchtitan_split
-from llmem_plugin.methods.pp_stage import StageSpec, check_model, run_rank, stage_modules
+from llmem_plugin.methods.pp_stage import StageSpec, action_segments, check_model, run_rank, stage_modules
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import AttentionImpl, LossImpl, OptimizerKind, Runner, Workload
 
@@ -233,15 +236,7 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
             if sharded:
                 contexts.append(fsdp_instrumented(tracker, cpu_offload=False))
                 extra["activation_dtype"] = param_dtype
-        starts: list[tuple[str, int]] = []
-        iteration = [0]
-
-        def on_action(kind: str, stage: int, mb: int) -> None:
-            if kind == "step":
-                iteration[0] = mb
-            name = f"{kind}:{mb}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
-            starts.append((name, len(tracker._events)))
-
+        on_action, segments_of = action_segments(tracker)
         pp_group = pp_mesh["pp"].get_group() if distributed else group
         result = run_rank(inner, specs, schedule=schedule, microbatches=microbatches,
                           micro_batch_size=workload.micro_batch_size, seq_len=workload.seq_len,
@@ -252,13 +247,7 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
         if distributed and streams is not None:
             streams.update(tracker.stream_of)
         if segments is not None:
-            # Positions among all recorded events -> among the device events the result keeps.
-            device = [tracker._records[idx].category is not MemoryCategory.HOST for _, idx in tracker._events]
-            before, k = [], 0
-            for on_device in device + [False]:
-                before.append(k)
-                k += on_device
-            segments.extend(_parts([(name, before[pos]) for name, pos in starts], result, tracker._records))
+            segments.extend(segments_of(result))
         return result
 
     if not fake:
@@ -277,36 +266,6 @@ def trace_rank(model: Any, workload: Workload, specs: list[StageSpec], *, rank: 
 def _shortened(specs: list[StageSpec], depths: list[int]) -> list[StageSpec]:
     """The same stages cut to their first ``depths`` decoder layers."""
     return [StageSpec(sp.index, sp.num_stages, sp.start, sp.start + d) for sp, d in zip(specs, depths)]
-
-
-def _part(module: str) -> str:
-    """The stage part a module belongs to: "s3.layers.0.mlp" -> "layers"; "" outside the stages."""
-    pieces = module.split(".")
-    return pieces[1] if len(pieces) > 1 else pieces[0]
-
-
-def _parts(starts: list[tuple[str, int]], result: TraceResult, records: list[Any]) -> list[tuple[str, int]]:
-    """Each action segment cut where its allocations move to another stage part (embedding, decoder
-    layers, norm, head, or none): "B:0:3:1|layers#1", "B:0:3:1|embed_tokens#1". Within one part the live
-    bytes at its fullest moment are affine in depth; across parts they need not be (the first stage's
-    backward is fullest at its first layer when deep, at the embedding's gradient when shallow)."""
-    out = []
-    ends = [pos for _, pos in starts[1:]] + [len(result.events)]
-    for (name, start), end in zip(starts, ends):
-        seen: dict[str, int] = {}
-        current = None
-        for i in range(start, end):
-            sign, idx, _ = result.events[i]
-            if sign < 0:
-                continue
-            part = _part(records[idx].module)
-            if part != current:
-                seen[part] = seen.get(part, 0) + 1
-                out.append((f"{name}|{part}#{seen[part]}", start if current is None else i))
-                current = part
-        if current is None:
-            out.append((name, start))
-    return out
 
 
 def segment_peaks(trace: TraceResult, segments: list[tuple[str, int]]) -> dict[str, int]:
@@ -380,13 +339,17 @@ def _extrapolated(one: tuple[RankMemory, dict[str, int]], two: tuple[RankMemory,
 def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: VirtualPipeline, *, rank: int,
                   pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
                   return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None,
-                  tp: int = 1, vocab: int = 0, accumulation: int = 1, stand_in_steps: int | None = None
-                  ) -> tuple[RankMemory, dict[str, int]] | None:
+                  tp: int = 1, base: Any = None, accumulation: int = 1, stand_in_steps: int | None = None,
+                  placeholders: bool = True) -> tuple[RankMemory, dict[str, int]] | None:
     """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
     named as a full trace names them; None where the composition does not apply (then trace in full).
 
-    The tensor peak is the composition's. The allocated peak adds the longer run's allocator overhead over
-    its tensor peak (cuBLAS workspaces, rounding). The reserved peak is the longer run's plus the segments
+    The stand-in's runs are synthesised (:mod:`llmem_plugin.methods.pp_synth`: placeholder stages through
+    the stand-in's schedule, the real stages' compute from one small real run of the rank's kind) where
+    that applies and ``placeholders``; else traced with the real stages.
+
+    The tensor peak is the composition's. The allocated peak adds the real run's allocator overhead over
+    its tensor peak (cuBLAS workspaces, rounding). The reserved peak is the real run's plus the segments
     the extra bytes need (an approximation: the allocator's replay of the composed stream is not run; the
     rank holding the last stage with ``return_outputs`` is not composed, see :func:`estimate`)."""
     p, v, m = pipeline_degree, stages_per_rank, microbatches
@@ -394,46 +357,121 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     tokens = wl.micro_batch_size * wl.seq_len
     # One microbatch's bytes in the int64 ids and targets, and in the logits (2- or 4-byte elements: a multiple
     # of 512 at 2 bytes is one at 4).
-    unit_bytes = (tokens * 8, tokens * vocab * 2)
-    to = stand_in_stages(schedule, p, rank // inner, v, virtual)
-    vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
-    # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind; a
-    # checkpointing pattern by layer index keeps the layers' positions in the key).
+    unit_bytes = (tokens * 8, tokens * int(base.config.vocab_size) * 2)
     traced = stand_in_steps if stand_in_steps is not None else traced_accumulation(accumulation)
-    key = (virtual, rank % inner, tuple((vs.index, vs.stop - vs.start) for vs in vspecs),
-           tuple((vs.start, vs.stop) for vs in vspecs) if wl.checkpoint_every != 1 else (), traced)
-    if cache is not None and key in cache:
-        traces, mems = cache[key]
-        return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                                 unit_bytes, return_outputs, accumulation, traced)
-    traces, mems = [], []
-    for mx in dict.fromkeys(virtual.microbatches):  # one run where the rank stands in for itself
-        streams: dict[int, int] = {}
-        segments: list[tuple[str, int]] = []
-        trace = trace_rank(model, wl, vspecs, rank=virtual.rank * inner + rank % inner,
-                           pipeline_degree=virtual.degree, schedule=schedule, microbatches=mx, gpu=gpu,
-                           return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams, segments=segments,
-                           accumulation=traced)
-        traces.append((trace.events, segments))
-        mems.append(rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf,
-                                streams=streams))
-    traces, mems = traces + traces[-1:] * (2 - len(traces)), mems + mems[-1:] * (2 - len(mems))
-    if cache is not None:
-        cache[key] = (traces, mems)
-    return _composed_numbers(traces, mems, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
+    cache = cache if cache is not None else {}
+    kw = dict(wl=wl, schedule=schedule, v=v, dp=dp, tp=tp, gpu=gpu, return_outputs=return_outputs, traced=traced,
+              overheads=overheads, alloc_conf=alloc_conf, rank=rank, cache=cache)
+    # The split-backward schedules' input and weight gradients hold other buffers between them in the real
+    # stages than in placeholders (seen as their real runs' own templates differing from the placeholders'):
+    # their stand-ins run the real stages.
+    synthesise = placeholders and schedule not in _SPLIT_BACKWARD
+    got = _synthesised_runs(model, base, specs, virtual, p=p, m=m, **kw) if synthesise else None
+    if got is None:
+        got = _stand_in_runs(model, specs, virtual, p=p, **kw)
+    runs, mem = got
+    return _composed_numbers(runs, mem, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
                              unit_bytes, return_outputs, accumulation, traced)
 
 
-def _composed_numbers(traces: list, mems: list[RankMemory], virtual: VirtualPipeline, schedule: str, p: int,
+def _layer_key(wl: Workload, specs: list[StageSpec]) -> tuple:
+    """What of a rank's stages a run depends on besides their kinds: their depths, and their layers'
+    positions where a checkpointing pattern goes by layer index."""
+    return (tuple(sp.stop - sp.start for sp in specs),
+            tuple((sp.start, sp.stop) for sp in specs) if wl.checkpoint_every != 1 else ())
+
+
+def _stand_in_runs(model: Any, specs: list[StageSpec], virtual: VirtualPipeline, *, wl: Workload, schedule: str,
+                   p: int, v: int, dp: int, tp: int, gpu: GPU, return_outputs: bool, traced: int, overheads: Any,
+                   alloc_conf: AllocatorConfig, rank: int, cache: dict) -> tuple[list, RankMemory]:
+    """The stand-in's two runs with the real stages, cut (:func:`~llmem_plugin.methods.pp_compose.cut_templates`),
+    and the longer one's numbers; kept in ``cache`` for the ranks with the same stand-in."""
+    inner = dp * tp
+    to = stand_in_stages(schedule, p, rank // inner, v, virtual)
+    vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
+    # Ranks with one stand-in and stages of the same depths share its runs (decoder layers of one kind).
+    key = ("stand-in", virtual, rank % inner, tuple(vs.index for vs in vspecs), _layer_key(wl, vspecs), traced)
+    if key not in cache:
+        traces, mem = [], None
+        for mx in dict.fromkeys(virtual.microbatches):  # one run where the rank stands in for itself
+            streams: dict[int, int] = {}
+            segments: list[tuple[str, int]] = []
+            trace = trace_rank(model, wl, vspecs, rank=virtual.rank * inner + rank % inner,
+                               pipeline_degree=virtual.degree, schedule=schedule, microbatches=mx, gpu=gpu,
+                               return_outputs=return_outputs, dp_shard=dp, tp=tp, streams=streams,
+                               segments=segments, accumulation=traced)
+            traces.append((trace.events, segments))
+            mem = rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf, streams=streams)
+        cache[key] = (cut_templates(traces + traces[-1:] * (2 - len(traces)), virtual, schedule, v), mem)
+    return cache[key]
+
+
+def _synthesised_runs(model: Any, base: Any, specs: list[StageSpec], virtual: VirtualPipeline, *, wl: Workload,
+                      schedule: str, p: int, m: int, v: int, dp: int, tp: int, gpu: GPU, return_outputs: bool,
+                      traced: int, overheads: Any, alloc_conf: AllocatorConfig, rank: int, cache: dict
+                      ) -> tuple[list, RankMemory] | None:
+    """The stand-in's two runs synthesised (:func:`~llmem_plugin.methods.pp_synth.synthesise`) from its
+    placeholder runs and the real run of the rank's kind (:func:`~llmem_plugin.methods.pp_synth.class_pipeline`),
+    with the real run's numbers; None where that does not apply. Each run is kept in ``cache``: the
+    placeholder runs serve every depth, the real run every rank of its kind."""
+    from llmem_plugin.methods.fsdp import _param_dtype
+    from llmem_plugin.methods.pp_compose import _mapped
+    from llmem_plugin.methods.pp_synth import RealRun, class_pipeline, synthesise, trace_placeholder_rank
+
+    inner = dp * tp
+    pp_rank = rank // inner
+    real_vp = class_pipeline(schedule, p, m, v, pp_rank)
+    if real_vp is None:
+        return None
+    dtype = _param_dtype(wl, None) if dp > 1 else next(q for q in base.parameters() if q.is_floating_point()).dtype
+
+    def placeholder(vp: VirtualPipeline, mx: int, vspecs: list[StageSpec]) -> dict | None:
+        key = ("placeholder", vp.degree, vp.rank, mx, tuple(vs.index for vs in vspecs), traced, dtype)
+        if key not in cache:
+            events, segments = trace_placeholder_rank(
+                base.config, base.loss_function, vspecs, rank=vp.rank, pipeline_degree=vp.degree, schedule=schedule,
+                microbatches=mx, micro_batch_size=wl.micro_batch_size, seq_len=wl.seq_len, dtype=dtype, gpu=gpu,
+                return_outputs=return_outputs, accumulation=traced)
+            cache[key] = templates(cut(events, segments), schedule, vp.degree, mx, v, vp.rank)
+        return cache[key]
+
+    to_real = _mapped(schedule, p, pp_rank, v, real_vp.degree, real_vp.rank)
+    rspecs = [StageSpec(to_real[sp.index], real_vp.degree * v, sp.start, sp.stop) for sp in specs]
+    c = real_vp.microbatches[0]
+    key = ("real", real_vp, rank % inner, _layer_key(wl, rspecs), traced)
+    if key not in cache:
+        streams: dict[int, int] = {}
+        segments: list[tuple[str, int]] = []
+        trace = trace_rank(model, wl, rspecs, rank=real_vp.rank * inner + rank % inner, pipeline_degree=real_vp.degree,
+                           schedule=schedule, microbatches=c, gpu=gpu, return_outputs=return_outputs, dp_shard=dp,
+                           tp=tp, streams=streams, segments=segments, accumulation=traced)
+        run = cut(trace.events, segments)
+        tpl = templates(run, schedule, real_vp.degree, c, v, real_vp.rank)
+        twin = placeholder(real_vp, c, rspecs)
+        mem = rank_memory(trace, rank=rank, gpu=gpu, overheads=overheads, alloc_conf=alloc_conf, streams=streams)
+        positions = {s.index: i for i, s in enumerate(rspecs)}
+        cache[key] = (RealRun(run.start, tpl, twin, positions) if tpl is not None and twin is not None else None, mem)
+    real, mem = cache[key]
+    if real is None:
+        return None
+    to = stand_in_stages(schedule, p, pp_rank, v, virtual)
+    vspecs = [StageSpec(to[sp.index], virtual.degree * v, sp.start, sp.stop) for sp in specs]
+    stand_ins = [placeholder(virtual, mx, vspecs) for mx in virtual.microbatches]
+    if any(t is None for t in stand_ins):
+        return None
+    runs = synthesise(real, stand_ins, {vs.index: i for i, vs in enumerate(vspecs)})
+    return (runs, mem) if runs is not None else None
+
+
+def _composed_numbers(runs: list, longer: RankMemory, virtual: VirtualPipeline, schedule: str, p: int,
                       m: int, v: int, rank: int, inner: int, gpu: GPU, alloc_conf: AllocatorConfig, overheads: Any,
                       unit_bytes: tuple[int, int] = (0, 0), return_outputs: bool = True, accumulation: int = 1,
                       traced_steps: int | None = None) -> tuple[RankMemory, dict[str, int]] | None:
-    comp = compose_runs(traces, virtual, schedule, p, m, v, rank // inner, input_bytes=unit_bytes[0],
-                        output_bytes=unit_bytes[1], return_outputs=return_outputs, accumulation=accumulation,
-                        traced_steps=traced_steps)
+    comp = compose_templates(runs, virtual, schedule, p, m, v, rank // inner, input_bytes=unit_bytes[0],
+                             output_bytes=unit_bytes[1], return_outputs=return_outputs, accumulation=accumulation,
+                             traced_steps=traced_steps)
     if comp is None:
         return None
-    longer = mems[1]
     overhead = longer.peak_allocated_bytes - longer.peak_tensor_bytes
     allocated = comp.peak + overhead
     # The bytes the longer run did not hold need new segments: as many whole large-pool segments as that
@@ -532,6 +570,7 @@ def estimate(
     compose: bool = True,
     stand_ins: dict | None = None,
     stand_in_steps: int | None = None,
+    placeholders: bool = True,
     **_: Any,
 ) -> MethodEstimate:
     """Per-rank memory of a pipeline-parallel training step on ``layout``.
@@ -568,6 +607,9 @@ def estimate(
             own when None.
         stand_in_steps: Schedule steps the stand-in runs take (default ``min(grad_accum_steps, 2)``); 2
             lets one set of runs serve every accumulation, 1 included (the planner's splits share them).
+        placeholders: Synthesise a composed rank's stand-in runs from placeholder stages and one small real
+            run of its kind (:mod:`llmem_plugin.methods.pp_synth`) where that applies; False traces them with
+            the real stages.
 
     Raises:
         ConfigError: Bad degrees, microbatches or split.
@@ -725,7 +767,7 @@ def estimate(
             if virtual is not None:
                 got = _composed_row(model, wl, specs_, virtual, rank=r, pipeline_degree=p, schedule=schedule,
                                     microbatches=m, stages_per_rank=v, dp=dp, tp=tp, gpu=target,
-                                    vocab=int(base.config.vocab_size),
+                                    base=base, placeholders=placeholders,
                                     return_outputs=return_outputs, overheads=overheads_of[sizes], alloc_conf=config,
                                     cache=stand_in_runs, accumulation=accum, stand_in_steps=stand_in_steps)
                 if got is not None:

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 from llmem_plugin.methods.pp_schedule import Chunk, rank_actions, stages_of_rank
 
-__all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "cut", "stand_in_stages", "templates",
+__all__ = ["Composed", "Template", "VirtualPipeline", "compose", "compose_runs", "compose_templates", "cut",
+           "cut_templates", "stand_in_stages", "templates",
            "traced_accumulation", "virtual_pipeline"]
 
 # Ranks of the small pipeline: the first, a middle one with a warm-up of three, and the last. Four is the
@@ -384,6 +385,17 @@ def traced_accumulation(accumulation: int) -> int:
     return min(accumulation, 2)
 
 
+def cut_templates(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
+                  schedule: str, v: int) -> list[tuple[Traced, dict[tuple, Template] | None]]:
+    """Each of the stand-in's traced runs (events, segment starts) cut into actions, with its templates
+    (None where its compute actions are not the schedule's)."""
+    out = []
+    for (events, segments), mx in zip(runs, virtual.microbatches):
+        run = cut(events, segments)
+        out.append((run, templates(run, schedule, virtual.degree, mx, v, virtual.rank)))
+    return out
+
+
 def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, int]]]], virtual: VirtualPipeline,
                  schedule: str, p: int, m: int, v: int, rank: int, *, input_bytes: int = 0, output_bytes: int = 0,
                  return_outputs: bool = True, accumulation: int = 1, traced_steps: int | None = None
@@ -393,17 +405,22 @@ def compose_runs(runs: list[tuple[list[tuple[int, int, int]], list[tuple[str, in
     ``input_bytes`` and ``output_bytes``: one microbatch's bytes in the tensors that hold every microbatch,
     for :func:`rounding_slack`: the step's int64 ids (the first stage's rank) and targets (the last's), and
     with ``return_outputs`` the last stage's merged logits."""
-    cut_runs = []
-    for (events, segments), mx in zip(runs, virtual.microbatches):
-        run = cut(events, segments)
-        tpl = templates(run, schedule, virtual.degree, mx, v, virtual.rank)
-        if tpl is None:
-            return None
-        cut_runs.append((run, tpl))
+    return compose_templates(cut_templates(runs, virtual, schedule, v), virtual, schedule, p, m, v, rank,
+                             input_bytes=input_bytes, output_bytes=output_bytes, return_outputs=return_outputs,
+                             accumulation=accumulation, traced_steps=traced_steps)
+
+
+def compose_templates(runs: list[tuple[Traced, dict[tuple, Template] | None]], virtual: VirtualPipeline, schedule: str,
+                      p: int, m: int, v: int, rank: int, *, input_bytes: int = 0, output_bytes: int = 0,
+                      return_outputs: bool = True, accumulation: int = 1, traced_steps: int | None = None
+                      ) -> Composed | None:
+    """:func:`compose_runs` from runs already cut (:func:`cut_templates`, or synthesised)."""
+    if any(tpl is None for _, tpl in runs):
+        return None
     held = stages_of_rank(schedule, p, rank, v)
     first, last = 0 in held, p * v - 1 in held
     m_a, m_b = virtual.microbatches
     slack = (rounding_slack(first + last, m_a, m_b, m, unit_bytes=input_bytes),
              rounding_slack(int(last and return_outputs), m_a, m_b, m, unit_bytes=output_bytes))
-    return compose((cut_runs[0], cut_runs[1]), virtual, schedule, p, m, v, rank, slack=slack,
+    return compose((runs[0], runs[1]), virtual, schedule, p, m, v, rank, slack=slack,
                    accumulation=accumulation, traced_steps=traced_steps)

@@ -36,7 +36,8 @@ from torch import nn
 from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
 
-__all__ = ["PIPELINE_MODEL_TYPES", "DecoderStage", "StageSpec", "check_model", "run_rank", "stage_modules"]
+__all__ = ["PIPELINE_MODEL_TYPES", "DecoderStage", "StageSpec", "action_segments", "check_model", "run_rank",
+           "stage_modules"]
 
 
 @dataclass(frozen=True)
@@ -343,3 +344,58 @@ def run_rank(
         # Read while the stages, the schedule and the optimizer are alive: what they hold is freed when they
         # go, by reference counts or, for torch's cyclic stage structures, whenever the cyclic GC runs.
         return tracker.result()
+
+
+def _part(module: str) -> str:
+    """The stage part a module belongs to: "s3.layers.0.mlp" -> "layers"; "" outside the stages."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else pieces[0]
+
+
+def _parts(starts: list[tuple[str, int]], result: TraceResult, records: list[Any]) -> list[tuple[str, int]]:
+    """Each action segment cut where its allocations move to another stage part (embedding, decoder
+    layers, norm, head, or none): "B:0:3:1|layers#1", "B:0:3:1|embed_tokens#1". Within one part the live
+    bytes at its fullest moment are affine in depth; across parts they need not be (the first stage's
+    backward is fullest at its first layer when deep, at the embedding's gradient when shallow)."""
+    out = []
+    ends = [pos for _, pos in starts[1:]] + [len(result.events)]
+    for (name, start), end in zip(starts, ends):
+        seen: dict[str, int] = {}
+        current = None
+        for i in range(start, end):
+            sign, idx, _ = result.events[i]
+            if sign < 0:
+                continue
+            part = _part(records[idx].module)
+            if part != current:
+                seen[part] = seen.get(part, 0) + 1
+                out.append((f"{name}|{part}#{seen[part]}", start if current is None else i))
+                current = part
+        if current is None:
+            out.append((name, start))
+    return out
+
+
+def action_segments(tracker: MemoryTracker) -> tuple[Callable[[str, int, int], None],
+                                                      Callable[[TraceResult], list[tuple[str, int]]]]:
+    """The ``on_action`` hook :func:`~llmem_plugin.methods.pp_stage.run_rank` calls, and a function that
+    turns what it recorded into the trace's segments (:func:`trace_rank`'s ``segments``), for ``tracker``."""
+    starts: list[tuple[str, int]] = []
+    iteration = [0]
+
+    def on_action(kind: str, stage: int, mb: int) -> None:
+        if kind == "step":
+            iteration[0] = mb
+        name = f"{kind}:{mb}" if stage < 0 else f"{kind}:{stage}:{mb}:{iteration[0]}"
+        starts.append((name, len(tracker._events)))
+
+    def segments_of(result: TraceResult) -> list[tuple[str, int]]:
+        # Positions among all recorded events -> among the device events the result keeps.
+        device = [tracker._records[idx].category is not MemoryCategory.HOST for _, idx in tracker._events]
+        before, k = [], 0
+        for on_device in device + [False]:
+            before.append(k)
+            k += on_device
+        return _parts([(name, before[pos]) for name, pos in starts], result, tracker._records)
+
+    return on_action, segments_of
