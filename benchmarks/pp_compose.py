@@ -1,8 +1,10 @@
 """The pipeline methods' microbatch composition against tracing every microbatch, and the time of each.
 
-For each case, estimate every pipeline rank with ``compose=False`` (every microbatch traced) and with the
-default composition (each rank replayed from a small pipeline's runs at two small microbatch counts:
-llmem_plugin.methods.pp_compose), both in fast mode (stages at 1 and 2 layers, extrapolated), and record per
+For each case, estimate every pipeline rank with ``compose=False`` (every microbatch traced), with the
+composition from real stand-in runs (each rank replayed from a small pipeline's runs at two small microbatch
+counts: llmem_plugin.methods.pp_compose; ``placeholders=False``) and with the default composition from
+synthesised stand-in runs (placeholder stages through the stand-in's schedule, one small real run per kind of
+rank: llmem_plugin.methods.pp_synth), all in fast mode (stages at 1 and 2 layers, extrapolated), and record per
 rank the tensor, allocated and reserved peaks of both and the wall time of each, with the machine and
 versions. A case with ``full: false`` times the composition alone (tracing every microbatch there takes
 too long to repeat).
@@ -40,11 +42,15 @@ def main() -> None:
         out = {"model": model, "method": "pp", "gpus": gpus, "nodes": nodes, "pp": pp, "microbatches": m,
                "seq_len": seq, "precision": precision, "grad_checkpointing": ckpt, "fast": True, **env}
         runs = {}
-        for compose in (True, False) if full else (True,):
+        modes = {"synthesised": (True, True), "composed": (True, False)}
+        if full:
+            modes["every_microbatch"] = (False, False)
+        for name, (compose, placeholders) in modes.items():
             t = time.perf_counter()
             est = estimate_method("pp", model, wl, layout=Layout(num_gpus=gpus, num_nodes=nodes), gpu=gpu,
-                                  pipeline_degree=pp, microbatches=m, fast=True, compose=compose)
-            runs["composed" if compose else "every_microbatch"] = (est, time.perf_counter() - t)
+                                  pipeline_degree=pp, microbatches=m, fast=True, compose=compose,
+                                  placeholders=placeholders)
+            runs[name] = (est, time.perf_counter() - t)
         for name, (est, seconds) in runs.items():
             out[f"{name}_seconds"] = round(seconds, 2)
             out[f"{name}_ranks"] = [{"rank": r.rank, "tensor": r.peak_tensor_bytes,

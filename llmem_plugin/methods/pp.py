@@ -340,9 +340,10 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
                   pipeline_degree: int, schedule: str, microbatches: int, stages_per_rank: int, dp: int, gpu: GPU,
                   return_outputs: bool, overheads: Any, alloc_conf: AllocatorConfig, cache: dict | None = None,
                   tp: int = 1, base: Any = None, accumulation: int = 1, stand_in_steps: int | None = None,
-                  placeholders: bool = True) -> tuple[RankMemory, dict[str, int]] | None:
+                  placeholders: bool = True) -> tuple[RankMemory, dict[str, int], bool] | None:
     """Global ``rank``'s numbers composed from its stand-in's two runs (``virtual``), with its segment peaks
-    named as a full trace names them; None where the composition does not apply (then trace in full).
+    named as a full trace names them and whether the runs were synthesised; None where the composition does
+    not apply (then trace in full).
 
     The stand-in's runs are synthesised (:mod:`llmem_plugin.methods.pp_synth`: placeholder stages through
     the stand-in's schedule, the real stages' compute from one small real run of the rank's kind) where
@@ -367,11 +368,11 @@ def _composed_row(model: Any, wl: Workload, specs: list[StageSpec], virtual: Vir
     # their stand-ins run the real stages.
     synthesise = placeholders and schedule not in _SPLIT_BACKWARD
     got = _synthesised_runs(model, base, specs, virtual, p=p, m=m, **kw) if synthesise else None
-    if got is None:
-        got = _stand_in_runs(model, specs, virtual, p=p, **kw)
-    runs, mem = got
-    return _composed_numbers(runs, mem, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
-                             unit_bytes, return_outputs, accumulation, traced)
+    synthesised = got is not None
+    runs, mem = got if synthesised else _stand_in_runs(model, specs, virtual, p=p, **kw)
+    numbers = _composed_numbers(runs, mem, virtual, schedule, p, m, v, rank, inner, gpu, alloc_conf, overheads,
+                                unit_bytes, return_outputs, accumulation, traced)
+    return (*numbers, synthesised) if numbers is not None else None
 
 
 def _layer_key(wl: Workload, specs: list[StageSpec]) -> tuple:
@@ -720,6 +721,7 @@ def estimate(
     overheads_of = {}
     rows = []
     composed_ranks: list[int] = []
+    synthesised_ranks: list[int] = []
     extrapolated_ranks: list[int] = []
     stand_in_runs: dict = stand_ins if stand_ins is not None else {}
     for r in traced:
@@ -772,7 +774,9 @@ def estimate(
                                     cache=stand_in_runs, accumulation=accum, stand_in_steps=stand_in_steps)
                 if got is not None:
                     composed_ranks.append(r)
-                    return got
+                    if got[2]:
+                        synthesised_ranks.append(r)
+                    return got[:2]
                 if m * accum > MAX_TRACED_MICRO_STEPS:
                     raise too_many()
             streams: dict[int, int] = {}
@@ -819,6 +823,10 @@ def estimate(
                      f"small microbatch counts, or the rank's own) (llmem_plugin.methods.pp_compose), replayed over "
                      f"the real schedule's {m} microbatches{steps}; reserved: the longer run's plus whole segments "
                      "for the extra bytes")
+    if synthesised_ranks:
+        notes.append(f"synthesised: ranks {sorted(set(synthesised_ranks))}' stand-in runs from placeholder stages "
+                     "through the stand-in's schedule and one small real run of each kind of rank "
+                     "(llmem_plugin.methods.pp_synth), checked on that run's own actions")
     if extrapolated_ranks:
         notes.append(f"fast: ranks {extrapolated_ranks} traced with their stages at 1 and 2 decoder layers, "
                      "extrapolated to their deepest stage's depth; reserved approximate (the larger reserved/allocated "
