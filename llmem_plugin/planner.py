@@ -828,9 +828,9 @@ def _pipeline_microbatches(ctx: _Context, cfg: _Config, pinned: int | None) -> i
     return m
 
 
-# Pipeline configurations the planner traces by default (plan(max_pipelines=...)): one costs about 5
-# minutes at 405B on a 2-core machine, the other methods' seconds (benchmarks/results/plan-speed-2026-11-28b.json:
-# 371 s in all with one, 68 s with none; -28c.json: 515 s with two).
+# Pipeline configurations the planner traces by default (plan(max_pipelines=...)): one costs about 50 s at
+# 405B on a 2-core machine, the other methods' seconds each (benchmarks/results/plan-speed-2026-12-01.json:
+# 103 s in all with one; -2026-11-28.json: 68 s with none).
 DEFAULT_MAX_PIPELINES = 1
 # Schedule steps per optimizer step searched for a pipeline: powers of two up to this many.
 _MAX_SCHEDULE_STEPS = 64
