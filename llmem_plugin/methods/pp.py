@@ -826,7 +826,8 @@ def estimate(
     if synthesised_ranks:
         notes.append(f"synthesised: ranks {sorted(set(synthesised_ranks))}' stand-in runs from placeholder stages "
                      "through the stand-in's schedule and one small real run of each kind of rank "
-                     "(llmem_plugin.methods.pp_synth), checked on that run's own actions")
+                     "(llmem_plugin.methods.pp_synth), checked on that run's own actions; their reserved starts from "
+                     "that real run's")
     if extrapolated_ranks:
         notes.append(f"fast: ranks {extrapolated_ranks} traced with their stages at 1 and 2 decoder layers, "
                      "extrapolated to their deepest stage's depth; reserved approximate (the larger reserved/allocated "
