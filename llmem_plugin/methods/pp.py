@@ -424,7 +424,9 @@ def _synthesised_runs(model: Any, base: Any, specs: list[StageSpec], virtual: Vi
     real_vp = class_pipeline(schedule, p, m, v, pp_rank)
     if real_vp is None:
         return None
-    dtype = _param_dtype(wl, None) if dp > 1 else next(q for q in base.parameters() if q.is_floating_point()).dtype
+    # What the stages pass each other (trace_rank): FSDP2's param_dtype under mixed precision, else the weights'.
+    dtype = (_param_dtype(wl, None) if dp > 1 else None) or next(
+        q for q in base.parameters() if q.is_floating_point()).dtype
 
     def placeholder(vp: VirtualPipeline, mx: int, vspecs: list[StageSpec]) -> dict | None:
         key = ("placeholder", vp.degree, vp.rank, mx, tuple(vs.index for vs in vspecs), traced, dtype)

@@ -29,6 +29,9 @@ import torch.distributed as dist
 from llmem_plugin.tracker import round_allocation
 from llmem_plugin.validate import load_rows
 
+# One worker builds this module's module-scoped fixtures once (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("hf-distributed")
+
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hf_job.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 512  # round_allocation's granularity (CUDACachingAllocator kMinBlockSize)

@@ -20,6 +20,9 @@ from tests.conftest import tiny_config
 
 from ._gloo import run_gloo
 
+# One worker builds this module's module-scoped fixtures once (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("pp-gloo")
+
 H100 = get_gpu("h100-sxm")
 P, M = 4, 8
 WL = Workload(seq_len=16, micro_batch_size=2, precision="fp32", optimizer="adamw")

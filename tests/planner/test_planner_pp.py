@@ -13,6 +13,9 @@ from llmem_plugin.planner import plan
 from llmem_plugin.workload import Workload
 from tests.conftest import tiny_config
 
+# One worker builds this module's module-scoped fixtures once (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("planner-pp")
+
 WL = Workload(seq_len=32, precision="fp32", optimizer="adamw")
 
 

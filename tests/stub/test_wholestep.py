@@ -18,6 +18,9 @@ from llmem_plugin.validate import validate_rows
 
 from .conftest import run_cases
 
+# One worker builds this module's module-scoped fixtures once (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("stub-wholestep")
+
 # tiny = catalog config with 2 layers, hidden 64 (benchmarks/groundtruth/matrix.py CPU_CASES),
 # run under the "torch" runner on the stub.
 CASES = (
