@@ -894,6 +894,13 @@ def _run_task(task: tuple) -> Any:
                 except LLMemError as e:
                     out[split] = ConfigError(str(e))
             return out
+        if kind == "verify":  # beside a pipeline's screen: the candidate and the seconds it took
+            _, ctx, c = task
+            t = time.perf_counter()
+            try:
+                return _verify(ctx, c), time.perf_counter() - t
+            except LLMemError as e:
+                return ConfigError(str(e)), time.perf_counter() - t
         _, ctx, cfg, wl = task
         return _registry_call(cfg, ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf, fast=True)
     except LLMemError as e:
@@ -958,13 +965,21 @@ class _Search:
             keys += [("one", r), ("two", r)]
         return keys
 
-    def expand(self, units: list[tuple[_Config, bool]]) -> list[tuple[tuple[_Config, bool], Any]]:
+    def expand(self, units: list[tuple[_Config, bool]], verify: Candidate | None = None
+               ) -> tuple[list[tuple[tuple[_Config, bool], Any]], Any]:
+        """Run what ``units`` still need and build their candidates; with ``verify``, that candidate's
+        :func:`_verify` runs in the same pool after them (a (candidate or error, seconds) pair comes back,
+        else None)."""
         todo = list(dict.fromkeys(k for u in units for k in self._needs(*u) if k not in self.results))
-        todo.sort(key=lambda k: not _TRAITS[k[1].method].tp_family)  # slowest first
+        # Slowest first: pipelines (every rank's stages under the schedule), then the TP methods (three runs).
+        todo.sort(key=lambda k: (k[1].pp == 1, not _TRAITS[k[1].method].tp_family))
         tasks = [("pipeline", self.ctx, cfg, self._workload(kind, cfg), _pipeline_splits(self.ctx, cfg))
                  if cfg.pp > 1 else ("run", self.ctx, cfg, self._workload(kind, cfg)) for kind, cfg in todo]
-        self.results.update(zip(todo, _map(tasks), strict=True))
-        return [(u, self._build(*u)) for u in units]
+        if verify is not None:
+            tasks.append(("verify", self.ctx, verify))
+        out = _map(tasks)
+        self.results.update(zip(todo, out[:len(todo)], strict=True))
+        return [(u, self._build(*u)) for u in units], (out[-1] if verify is not None else None)
 
     def _workload(self, kind: str, cfg: _Config) -> Workload:
         if kind.startswith("pp-"):  # one-row microbatches; the splits come with the task
@@ -1367,6 +1382,7 @@ def plan(
         return min((c.step_time_s for c in candidates if c.fits and id(c) not in rejected), default=float("inf"))
 
     traced_pipelines: set[_Config] = set()
+    done_beside: dict[tuple, tuple[Any, float]] = {}  # candidate key -> (verified candidate or error, seconds)
 
     def over_budget(u: tuple[_Config, bool]) -> bool:
         cfg = u[0]
@@ -1393,10 +1409,25 @@ def plan(
             if not ready:
                 return
             batch = ready[: max(_cores(), 1)]
+            beside = None
+            if any(u[0].pp > 1 for u in batch) and _cores() > 1:
+                # A pipeline configuration's screen runs for minutes at scale, the other units' for seconds:
+                # the other cores take every ready unit meanwhile, then the verification of the fastest fitting
+                # candidate screened so far (at full depth, the plan's other long trace), which the
+                # verification below would otherwise run after the screen. Units that a candidate of this
+                # batch would have pruned only add screened rows: the choice is the same.
+                batch += [u for u in ready if u[0].pp == 1 and u not in batch]
+                order()
+                beside = next((c for c in candidates if c.fits and not c.verified and id(c) not in rejected
+                               and c.key not in done_beside), None) if verify else None
             say("screening " + ", ".join(_unit_label(*u, gcs) for u in batch)
-                + (" (a pipeline configuration: minutes on a large model)" if any(u[0].pp > 1 for u in batch) else ""))
+                + (" (a pipeline configuration: minutes on a large model)" if any(u[0].pp > 1 for u in batch) else "")
+                + (f", and verifying {beside.label()} at full depth beside it" if beside is not None else ""))
             traced_pipelines.update(u[0] for u in batch if u[0].pp > 1)
-            for u, out in search.expand(batch):
+            built, verified = search.expand(batch, beside)
+            if beside is not None:
+                done_beside[beside.key] = verified
+            for u, out in built:
                 pending.remove(u)
                 if isinstance(out, LLMemError):
                     failed.setdefault(_cfg_label(u[0]), str(out).split(". HINT")[0])
@@ -1410,7 +1441,7 @@ def plan(
 
     screen()
     order()
-    verify_s = 0.0
+    verify_s = beside_s = 0.0
     choice = None
     tried = 0
     while True:
@@ -1424,14 +1455,20 @@ def plan(
         if tried >= max_verify:
             break
         tried += 1
-        say(f"verifying {c.label()} at full depth")
-        t = time.perf_counter()
-        try:
-            v = _verify(ctx, c)
-        except LLMemError as e:
+        if c.key in done_beside:  # verified beside a pipeline's screen
+            v, seconds = done_beside.pop(c.key)
+            beside_s += seconds
+        else:
+            say(f"verifying {c.label()} at full depth")
+            t = time.perf_counter()
+            try:
+                v = _verify(ctx, c)
+            except LLMemError as e:
+                v = e
+            verify_s += time.perf_counter() - t
+        if isinstance(v, LLMemError):
+            failed.setdefault(c.label(), str(v).split(". HINT")[0])
             v = dataclasses.replace(c, fits=False, verified=True)
-            failed.setdefault(c.label(), str(e).split(". HINT")[0])
-        verify_s += time.perf_counter() - t
         candidates[nxt] = v
         if v.fits:
             choice = v
@@ -1455,6 +1492,8 @@ def plan(
                 f"beat it (their lower bounds start at {min(bound[u] for u in pending):.3g} s per step)")
     t_end = time.perf_counter()
     timings = {"screen": t_end - t_screen - verify_s, "verify": verify_s}
+    if beside_s:  # worker seconds, inside the screen's wall time
+        timings["verify_beside_screen"] = beside_s
     from llmem_plugin.estimate import _describe
 
     result = Plan(model=_describe(model), gpu=target, layout=layout, workload=wl, global_batch=global_batch,
