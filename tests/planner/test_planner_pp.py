@@ -210,3 +210,24 @@ def test_progress_names_each_trace_before_it_runs():
     verified = [line for line in lines if "verifying" in line]
     assert verified == [] if p.choice.pp == 4 else verified[-1].endswith(f"verifying {p.choice.label()} at full depth")
     assert all(line.startswith("[") and " s] " in line for line in lines)
+
+
+def test_a_pipeline_screen_takes_the_other_units_and_a_verification_beside_it(monkeypatch):
+    """On two or more cores a batch that screens a pipeline configuration also screens every other ready unit
+    and verifies the fastest fitting candidate screened so far beside it; the plan is the same as one that
+    screens and verifies one after the other (one core): the same choice, with the same traced numbers."""
+    import llmem_plugin.planner as planner
+
+    kw = dict(gpu="h100-sxm", num_gpus=4, workload=WL, methods=["fsdp", "zero3", "pp"], tps=[1], global_batch=8,
+              grad_checkpointing=False, prune=False)
+    model = tiny_config("llama", num_hidden_layers=8)
+    monkeypatch.setattr(planner, "_cores", lambda: 2)
+    lines: list[str] = []
+    p = plan(model, progress=lines.append, **kw)
+    beside = [line for line in lines if "beside it" in line]
+    assert beside, lines
+    monkeypatch.setattr(planner, "_cores", lambda: 1)
+    q = plan(model, **kw)
+    assert p.choice.label() == q.choice.label() and p.choice.verified and q.choice.verified
+    assert (p.choice.device_total_bytes, p.choice.peak_allocated_bytes) == (q.choice.device_total_bytes,
+                                                                             q.choice.peak_allocated_bytes)
