@@ -99,8 +99,12 @@ def _stream(trace: TraceResult, plan: LayerPlan, units: int) -> _Stream:
     )
 
 
-def synthesize(s: _Stream, k: int, d: int) -> tuple[list[tuple[int, int, int]], list[Phase], dict[str, int]]:
+def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
+               ) -> tuple[list[tuple[int, int, int]], list[Phase], dict[str, int]]:
     """``s`` with ``d`` copies of unit ``k``'s runs added (``d = -1``: its runs taken out).
+
+    ``growth``: bytes per unit of records outside the layers that grow with
+    depth (a flat buffer over all parameters), by record; they get ``d`` units more.
 
     Returns:
         The events (``(sign, key, bytes)``, keys numbered from 0), each
@@ -147,6 +151,8 @@ def synthesize(s: _Stream, k: int, d: int) -> tuple[list[tuple[int, int, int]], 
             if is_global and sign < 0 and deferred is not None:
                 deferred.append(e)  # freed after the last copy
                 continue
+            if is_global and growth:
+                nbytes += d * growth.get(r, 0)
             out.append((sign, key(r, copy_of, seg[e]), nbytes))
             out_phase.append(s.phase[e])
 
@@ -173,7 +179,7 @@ def synthesize(s: _Stream, k: int, d: int) -> tuple[list[tuple[int, int, int]], 
                 emit(a, b, j, None)
         for e in deferred:
             sign, r, nbytes = ev[e]
-            out.append((sign, key(r, None, None), nbytes))
+            out.append((sign, key(r, None, None), nbytes + d * (growth or {}).get(r, 0)))
             out_phase.append(s.phase[e])
         previous = k
     ids: dict[tuple, int] = {}
@@ -206,7 +212,31 @@ def _check(made: tuple, want: _Stream, what: str) -> None:
         raise SynthesisError(f"{what} has the traced copy's events but not its phases or marks")
 
 
-def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, result: TraceResult) -> TraceResult:
+def _growth(s_short: _Stream, s_long: _Stream) -> tuple[dict[int, int], dict[int, int], list[int]]:
+    """Bytes per unit of the records outside the layers, paired in the order of
+    their first event (the guard checks the pairing): by the longer copy's
+    record, by the shorter copy's, and the roles of those that grow."""
+    def order(s: _Stream) -> list[int]:
+        seen: dict[int, None] = {}
+        for _, r, _ in s.events:
+            if s.unit[r] is None:
+                seen.setdefault(r)
+        return list(seen)
+
+    def size(s: _Stream) -> dict[int, int]:
+        return {r: b for sign, r, b in s.events if sign > 0 and s.unit[r] is None}
+
+    a, b = order(s_short), order(s_long)
+    if len(a) != len(b):
+        return {}, {}, []  # the guard says where the streams part
+    sa, sb = size(s_short), size(s_long)
+    pairs = [(x, y, sb.get(y, 0) - sa.get(x, 0)) for x, y in zip(a, b)]
+    grown = [(x, y, g) for x, y, g in pairs if g]
+    return {y: g for _, y, g in grown}, {x: g for x, _, g in grown}, [y for _, y, _ in grown]
+
+
+def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, result: TraceResult | None,
+                     *, growing_buffers: bool = False) -> TraceResult:
     """The full model's trace from the two copies fast mode traced.
 
     Args:
@@ -215,6 +245,11 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
         plan: The layer structure.
         result: The extrapolated trace (peaks and breakdowns; they are affine
             in depth, and exact); its peak is checked against the stream's.
+            None: ``long`` with the built stream (and the stream's peak).
+        growing_buffers: Records outside the layers may grow by a constant per
+            unit (a distributed method's flat buffers over all parameters, whose
+            caller has checked that the full model has the same buffers); their
+            bytes are then extrapolated. Otherwise such a record fails the guard.
 
     Returns:
         ``result`` with the full model's events, timeline and marks.
@@ -224,17 +259,24 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
     """
     k = plan.prefix + 1  # a body unit with body units on both sides in the longer copy
     s_short, s_long = _stream(short, plan, plan.traced), _stream(long, plan, plan.traced + 1)
-    _check(synthesize(s_long, k, -1), s_short, "the longer copy with one period taken out")
+    by_long, by_short, grown = _growth(s_short, s_long)
+    if grown and not growing_buffers:
+        module, phase, nbytes, _ = s_long.role[grown[0]]
+        raise SynthesisError(f"a tensor outside the layers ({module or 'the step'}, made in the {phase}, {nbytes} B) "
+                             "grows with depth")
+    _check(synthesize(s_long, k, -1, by_long), s_short, "the longer copy with one period taken out")
     if plan.traced >= 3:
-        _check(synthesize(s_short, k, 1), s_long, "the shorter copy with one period added")
-    events, phases, marks = synthesize(s_long, k, plan.repeats - plan.traced - 1)
+        _check(synthesize(s_short, k, 1, by_short), s_long, "the shorter copy with one period added")
+    events, phases, marks = synthesize(s_long, k, plan.repeats - plan.traced - 1, by_long)
     timeline: list[tuple[int, Phase, int]] = []
     cur = peak = 0
     for i, ((sign, _, nbytes), phase) in enumerate(zip(events, phases)):
         cur += sign * nbytes
         peak = max(peak, cur)
         timeline.append((i, phase, cur))
-    if peak != result.peak_bytes:
+    if result is None:
+        result = dataclasses.replace(long, peak_bytes=peak, layer_tags=None)
+    elif peak != result.peak_bytes:
         raise SynthesisError(f"the built stream peaks at {peak} B of tensors, the per-layer extrapolation "
                              f"at {result.peak_bytes} B")
     return dataclasses.replace(result, events=events, timeline=timeline, marks=marks, num_events=len(events))

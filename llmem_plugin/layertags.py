@@ -186,13 +186,14 @@ class LayerTaggingTracker(MemoryTracker):
                 self._record_layer[idx] = self._event_layer[event] = self._optimizer_layer
             self._pending = []
         orphan = optimizer and single and not any(isinstance(x, torch.Tensor) for x in _flat(args, kwargs))
+        outer = self._override  # an owned_by block around the op: its parameter's layer wins
         for t, tag in zip(outs, tags):
-            self._override = tag
+            self._override = tag if outer is _UNSET else outer
             n = len(self._records)
             self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
-            if orphan and len(self._records) > n:
+            if orphan and outer is _UNSET and len(self._records) > n:
                 self._pending.append((n, len(self._events) - 1))
-        self._override = _UNSET
+        self._override = outer
         return out
 
     def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:

@@ -544,11 +544,12 @@ def _activation_bytes(wl: Workload) -> int:
 
 
 def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: GPU, alloc_conf: Any,
-                   fast: bool, split: tuple[int, int] | None = None, stand_ins: dict | None = None
-                   ) -> MethodEstimate:
+                   fast: bool, split: tuple[int, int] | None = None, stand_ins: dict | None = None,
+                   stream_synthesis: bool = False) -> MethodEstimate:
     """The method's estimate for ``cfg``; a pipeline's at ``split`` (microbatches per schedule step,
     schedule steps per optimizer step), sharing ``stand_ins`` (its composition's runs, of two schedule steps
-    each: they serve every split) across splits."""
+    each: they serve every split) across splits. ``stream_synthesis``: as :func:`estimate_method` (the
+    full trace's figures, built from shortened runs where the method's rules allow)."""
     lay = Layout(num_gpus=layout.num_gpus, num_nodes=layout.num_nodes, tp=cfg.tp)
     if cfg.pp > 1:
         m, k = split
@@ -557,7 +558,8 @@ def _registry_call(cfg: _Config, model: Any, wl: Workload, layout: Layout, gpu: 
                                pipeline_degree=cfg.pp, microbatches=m, return_outputs=_PP_RETURN_OUTPUTS,
                                stand_ins=stand_ins, stand_in_steps=2 if stand_ins is not None else None)
     name, options = _VARIANTS.get(cfg.method, (cfg.method, {}))
-    return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast, **options)
+    return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf, fast=fast,
+                           stream_synthesis=stream_synthesis, **options)
 
 
 def _comm_split(intra: float, inter: float, cfg: _Config, layout: Layout) -> tuple[float, float]:
@@ -1098,14 +1100,18 @@ def _verify(ctx: _Context, c: Candidate) -> Candidate:
     found it (``estimate._steady_trace``). The distributed methods trace
     every micro-step they are given and get at most 2: from the second on,
     every micro-step repeats the same allocations on the same live state
-    (not checked against the allocator for them)."""
+    (not checked against the allocator for them). Where a method's rules
+    carry no state further than a layer (``synthesis_blocker``), its ranks'
+    full event streams are built from two shortened runs and replayed: the
+    full trace's figures, without tracing every layer (methods.synthesized)."""
     # A pipeline's microbatches are its schedule: all of them, in all its schedule steps (composed from
     # shorter runs, pp_compose).
     accum = c.grad_accum if c.method == "single" else min(c.grad_accum, 2)
     wl = dataclasses.replace(ctx.workload, micro_batch_size=c.micro_batch, grad_accum_steps=accum,
                              grad_checkpointing=c.grad_checkpointing)
     est = _registry_call(_Config(c.method, c.tp, c.pp), ctx.model, wl, ctx.layout, ctx.gpu, ctx.alloc_conf,
-                         fast=False, split=(c.grad_accum, c.schedule_steps) if c.pp > 1 else None)
+                         fast=False, split=(c.grad_accum, c.schedule_steps) if c.pp > 1 else None,
+                         stream_synthesis=True)
     w = est.worst
     act_delta = 0.0
     host = est.host_total_bytes_per_node

@@ -298,8 +298,11 @@ class Zero3:
         P = MemoryCategory.PARAMETER
         # zero.Init (_partition_param): a ceil(numel/dp) partition per param,
         # on the host with offload_param unless persistent.
-        self.parts = {id(p): b.new(plan.part(p), P) for p in plan.params
-                      if not cfg.offload_param or id(p) in plan.persistent}
+        self.parts = {}
+        for p in plan.params:
+            if not cfg.offload_param or id(p) in plan.persistent:
+                with b.tracker.owned_by(p):  # the layer of the parameter (fast mode's stream synthesis)
+                    self.parts[id(p)] = b.new(plan.part(p), P)
         if not cfg.offload_param:  # _create_fp16_partitions_with_defragmentation
             self.lp = b.new(sum(plan.part(p) for p in plan.trainable), P)
             for p in plan.trainable:
@@ -505,7 +508,8 @@ class Zero3:
             del g32
         # _post_step: persistent params gathered again (_allgather_params_coalesced, a buffer each).
         for p in (q for q in plan.params if id(q) in plan.persistent):
-            self.full[id(p)] = b.new(plan.part(p) * plan.dp, ZeroCategory.GATHERED_PARAMS)
+            with b.tracker.owned_by(p):
+                self.full[id(p)] = b.new(plan.part(p) * plan.dp, ZeroCategory.GATHERED_PARAMS)
             self.status[id(p)] = _AVAILABLE
             b.send((plan.dp - 1) * plan.part(p) * plan.es)
 

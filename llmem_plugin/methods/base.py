@@ -3,7 +3,9 @@ rank to its three numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,9 +13,44 @@ from llmem_plugin.allocator_config import AllocatorConfig
 from llmem_plugin.gpus import GPU
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.overheads import DeviceOverheads
-from llmem_plugin.tracker import TraceResult
+from llmem_plugin.tracker import MemoryTracker, TraceResult
 
-__all__ = ["MethodEstimate", "ModelStateBytes", "RankMemory", "host_overheads", "rank_memory"]
+__all__ = ["Capture", "MethodEstimate", "ModelStateBytes", "RankMemory", "capture", "host_overheads", "new_tracker",
+           "rank_memory"]
+
+
+@dataclass
+class Capture:
+    """The traces a method replays while a stream synthesis runs it on a
+    shortened model (:func:`llmem_plugin.methods.synthesized`): per rank, the
+    trace given to :func:`rank_memory` and that call's other arguments."""
+
+    ranks: list[tuple[TraceResult, dict[str, Any]]] = field(default_factory=list)
+
+
+_CAPTURE: ContextVar[Capture | None] = ContextVar("llmem_method_capture", default=None)
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[Capture]:
+    """Within the block, methods trace with layer tags and :func:`rank_memory`
+    keeps every trace it replays."""
+    cap = Capture()
+    token = _CAPTURE.set(cap)
+    try:
+        yield cap
+    finally:
+        _CAPTURE.reset(token)
+
+
+def new_tracker() -> MemoryTracker:
+    """The tracker a method traces a rank with: a layer-tagging one inside
+    :func:`capture` (the stream synthesis needs every event's layer)."""
+    if _CAPTURE.get() is not None:
+        from llmem_plugin.layertags import LayerTaggingTracker
+
+        return LayerTaggingTracker()
+    return MemoryTracker()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +233,11 @@ def rank_memory(
     """
     from llmem_plugin.estimate import simulate_trace
 
+    cap = _CAPTURE.get()
+    if cap is not None:
+        cap.ranks.append((trace, {"rank": rank, "gpu": gpu, "overheads": overheads, "alloc_conf": alloc_conf,
+                                  "extra_breakdown": extra_breakdown, "host_bytes": host_bytes,
+                                  "host_pinned_rounding_bytes": host_pinned_rounding_bytes, "streams": streams}))
     if streams:
         from llmem_plugin.methods._streams import simulate_streams
 

@@ -85,7 +85,7 @@ from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.gpus import GPU
-from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
+from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, new_tracker, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
@@ -327,7 +327,7 @@ class _Plan:
 
     @property
     def es(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # no tensor: under the tracer an empty one would count as an allocation
 
     def part(self, p: nn.Parameter) -> int:
         """ZeRO-3 partition elements (partition_parameters.py ``_aligned_size // world``)."""
@@ -537,7 +537,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     vocab = int(model.get_input_embeddings().num_embeddings)
     modelbuild.fakeify(model, fake_mode)
     plan = _plan(model, **plan_args)  # after fakeify: it holds the parameters themselves
-    tracker = MemoryTracker()
+    tracker = new_tracker()
     tracker.watch_modules(model)
     buf = Buffers(tracker, plan, capacity=capacity)
     emu = (Zero3 if plan.stage == 3 else Zero12)(buf, model)
@@ -630,6 +630,68 @@ def host_memory(model: Any, workload: Workload, *, layout: Layout, stage: int = 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
     plan = _plan(meta, cfg=cfg, dp=layout.dp, rank=rank, dtype=dtype, optimizer=kind)
     return _states(plan, workload.grad_accum_steps).host_bytes, _pinned_rounding(plan, workload.grad_accum_steps)
+
+
+def synthesis_blocker(model: Any, workload: Workload, *, layout: Layout, stage: int = 3,
+                      offload_optimizer: bool = False, offload_param: bool = False,
+                      config: dict[str, Any] | None = None, **_: Any) -> str | None:
+    """Why a rank's full event stream cannot be built from shortened copies
+    (:func:`llmem_plugin.methods.synthesized`), or None when it can. From
+    DeepSpeed's partitioning and coordinator rules alone (no trace), at the
+    model's full depth. The synthesis repeats one layer's events and grows
+    the flat buffers outside the layers by a constant per layer; that is the
+    full model's stream when no rule carries state further than one layer
+    and every flat buffer is affine in depth:
+
+    - ZeRO-3 only. ZeRO-1/2 pad each flattened group to a multiple of 2 x dp
+      elements and flatten on the device only where it fits: not affine.
+    - A ZeRO-3 partition is ``ceil(numel / dp)`` per parameter, so a flat
+      buffer over parameters grows by a layer's partitions per layer.
+      Sub-groups split a group once its partitions reach ``sub_group_size``
+      (``_create_fp16_sub_groups``): with one sub-group per group at full
+      depth (or their buffers on the host, under optimizer offload) each is
+      affine; with several, their number changes with depth.
+    - The coordinator's windows are counted in parameter elements across
+      layers: the gradient bucket (``reduce_bucket_size``), the prefetch
+      (``prefetch_bucket_size``, ``max_live_parameters``) and the release
+      look-ahead (``max_reuse_distance``). Each must be at most the smallest
+      decoder layer's parameters (the bucket: its trainable ones, so it
+      empties in every layer), and ``model_persistence_threshold`` must not bind.
+      The copies then see every state the full model's layers see; the
+      synthesis's guard checks the rest.
+    """
+    if stage != 3:
+        return (f"ZeRO-{stage} pads each flattened group to a multiple of 2 x dp elements and flattens it on the "
+                "device only where it fits (not affine in depth)")
+    from llmem_plugin.layertags import decoder_layers
+
+    meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
+    plan = _plan(meta, cfg=cfg, dp=layout.dp, rank=0, dtype=dtype, optimizer=kind)
+    if not cfg.offload_optimizer and len(plan.sub_groups) != len([g for g in plan.decay_groups if g]):
+        return (f"at full depth the parameter groups split into {len(plan.sub_groups)} sub-groups "
+                f"(sub_group_size={cfg.sub_group_size}), a number that changes with depth")
+    prefix = decoder_layers(meta)
+    layers: dict[str, list[int]] = {}
+    for name, p in meta.named_parameters():
+        if prefix and name.startswith(prefix + "."):
+            layer = layers.setdefault(name[len(prefix) + 1:].split(".", 1)[0], [0, 0])
+            layer[0] += p.numel()
+            layer[1] += p.numel() if p.requires_grad else 0
+    if not layers:
+        return "no decoder layer list was found"
+    numel = min(n for n, _ in layers.values())
+    trainable = min(t for _, t in layers.values())
+    windows = [("reduce_bucket_size", cfg.reduce_bucket_size, trainable, "trainable "),
+               ("prefetch_bucket_size", cfg.prefetch_bucket_size, numel, ""),
+               ("max_live_parameters", cfg.max_live_parameters, numel, ""),
+               ("max_reuse_distance", cfg.max_reuse_distance, numel, "")]
+    for what, value, per_layer, kind_ in windows:
+        if value > per_layer:
+            return f"{what}={value} spans more than a layer's {per_layer} {kind_}parameters"
+    persistent = sum(p.numel() for p in plan.params if id(p) in plan.persistent)
+    if persistent + max(p.numel() for p in plan.params) > cfg.model_persistence_threshold:
+        return f"model_persistence_threshold={cfg.model_persistence_threshold} binds"
+    return None
 
 
 def estimate(
