@@ -42,7 +42,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmem_plugin.layerkinds import LayerPlan
-from llmem_plugin.tracker import Phase, TraceResult
+from llmem_plugin.tracker import Phase, TraceResult, round_allocation
 
 __all__ = ["SynthesisError", "full_depth_trace", "synthesize"]
 
@@ -59,6 +59,7 @@ class _Stream:
     marks: dict[str, int]
     unit: dict[int, int | None]  # record -> unit
     role: dict[int, tuple]  # record -> role within its unit (with occurrence)
+    requested: dict[int, int]  # record -> bytes asked for, before rounding
 
 
 def _stream(trace: TraceResult, plan: LayerPlan, units: int) -> _Stream:
@@ -96,6 +97,7 @@ def _stream(trace: TraceResult, plan: LayerPlan, units: int) -> _Stream:
         marks=dict(trace.marks),
         unit=unit,
         role=role,
+        requested={r: tags.record_requested[r] if tags.record_requested else role[r][2] for r in unit},
     )
 
 
@@ -103,8 +105,9 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
                ) -> tuple[list[tuple[int, int, int]], list[Phase], dict[str, int]]:
     """``s`` with ``d`` copies of unit ``k``'s runs added (``d = -1``: its runs taken out).
 
-    ``growth``: bytes per unit of records outside the layers that grow with
-    depth (a flat buffer over all parameters), by record; they get ``d`` units more.
+    ``growth``: requested bytes per unit of records outside the layers that
+    grow with depth (a flat buffer over all parameters), by record; they get
+    ``d`` units more, rounded as the allocator rounds the request.
 
     Returns:
         The events (``(sign, key, bytes)``, keys numbered from 0), each
@@ -151,8 +154,8 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
             if is_global and sign < 0 and deferred is not None:
                 deferred.append(e)  # freed after the last copy
                 continue
-            if is_global and growth:
-                nbytes += d * growth.get(r, 0)
+            if is_global and growth and r in growth:
+                nbytes = round_allocation(s.requested[r] + d * growth[r])
             out.append((sign, key(r, copy_of, seg[e]), nbytes))
             out_phase.append(s.phase[e])
 
@@ -179,7 +182,9 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
                 emit(a, b, j, None)
         for e in deferred:
             sign, r, nbytes = ev[e]
-            out.append((sign, key(r, None, None), nbytes + d * (growth or {}).get(r, 0)))
+            if growth and r in growth:
+                nbytes = round_allocation(s.requested[r] + d * growth[r])
+            out.append((sign, key(r, None, None), nbytes))
             out_phase.append(s.phase[e])
         previous = k
     ids: dict[tuple, int] = {}
@@ -212,10 +217,10 @@ def _check(made: tuple, want: _Stream, what: str) -> None:
         raise SynthesisError(f"{what} has the traced copy's events but not its phases or marks")
 
 
-def _growth(s_short: _Stream, s_long: _Stream) -> tuple[dict[int, int], dict[int, int], list[int]]:
-    """Bytes per unit of the records outside the layers, paired in the order of
-    their first event (the guard checks the pairing): by the longer copy's
-    record, by the shorter copy's, and the roles of those that grow."""
+def _paired(s_short: _Stream, s_long: _Stream) -> list[tuple[int, int]]:
+    """The records outside the layers of the two copies, paired in the order
+    of their first event (the guard checks the pairing); [] when they differ
+    in number (the guard then says where the streams part)."""
     def order(s: _Stream) -> list[int]:
         seen: dict[int, None] = {}
         for _, r, _ in s.events:
@@ -223,16 +228,8 @@ def _growth(s_short: _Stream, s_long: _Stream) -> tuple[dict[int, int], dict[int
                 seen.setdefault(r)
         return list(seen)
 
-    def size(s: _Stream) -> dict[int, int]:
-        return {r: b for sign, r, b in s.events if sign > 0 and s.unit[r] is None}
-
     a, b = order(s_short), order(s_long)
-    if len(a) != len(b):
-        return {}, {}, []  # the guard says where the streams part
-    sa, sb = size(s_short), size(s_long)
-    pairs = [(x, y, sb.get(y, 0) - sa.get(x, 0)) for x, y in zip(a, b)]
-    grown = [(x, y, g) for x, y, g in pairs if g]
-    return {y: g for _, y, g in grown}, {x: g for x, _, g in grown}, [y for _, y, _ in grown]
+    return list(zip(a, b)) if len(a) == len(b) else []
 
 
 def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, result: TraceResult | None,
@@ -259,11 +256,18 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
     """
     k = plan.prefix + 1  # a body unit with body units on both sides in the longer copy
     s_short, s_long = _stream(short, plan, plan.traced), _stream(long, plan, plan.traced + 1)
-    by_long, by_short, grown = _growth(s_short, s_long)
-    if grown and not growing_buffers:
-        module, phase, nbytes, _ = s_long.role[grown[0]]
-        raise SynthesisError(f"a tensor outside the layers ({module or 'the step'}, made in the {phase}, {nbytes} B) "
-                             "grows with depth")
+    pairs = _paired(s_short, s_long)
+    if growing_buffers:  # requested bytes per unit, by each copy's record
+        by_long = {y: s_long.requested[y] - s_short.requested[x] for x, y in pairs
+                   if s_long.requested[y] != s_short.requested[x]}
+        by_short = {x: by_long[y] for x, y in pairs if y in by_long}
+    else:  # as the allocator sees them: a request that grows inside its rounding block is the same block
+        by_long = by_short = {}
+        grown = [y for x, y in pairs if s_long.role[y][2] != s_short.role[x][2]]
+        if grown:
+            module, phase, nbytes, _ = s_long.role[grown[0]]
+            raise SynthesisError(f"a tensor outside the layers ({module or 'the step'}, made in the {phase}, "
+                                 f"{nbytes} B) grows with depth")
     _check(synthesize(s_long, k, -1, by_long), s_short, "the longer copy with one period taken out")
     if plan.traced >= 3:
         _check(synthesize(s_short, k, 1, by_short), s_long, "the shorter copy with one period added")

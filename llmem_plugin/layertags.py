@@ -59,11 +59,15 @@ class LayerTags:
             layer it belongs to (None: embeddings, head, loss, inputs, ...).
         record_role: Per record index, what it is within its layer: the module
             path below the layer, the phase it was made in, its bytes.
+        record_requested: Per record index, the bytes its storage asked for
+            before the allocator's rounding (a buffer that grows with depth
+            grows by a constant in these, not in the rounded ones).
     """
 
     event_layer: list[int | None]
     record_layer: list[int | None]
     record_role: list[tuple[str, str, int]]
+    record_requested: list[int] | None = None
 
 
 def decoder_layers(model: nn.Module) -> str | None:
@@ -95,6 +99,7 @@ class LayerTaggingTracker(MemoryTracker):
         super().__init__()
         self._prefix: str | None = None
         self._record_layer: list[int | None] = []
+        self._record_requested: list[int] = []
         self._event_layer: list[int | None] = []
         self._tensor_layer: dict[int, int | None] = {}  # id(parameter or buffer) -> layer
         self._override: Any = _UNSET
@@ -203,6 +208,7 @@ class LayerTaggingTracker(MemoryTracker):
             tag = self.layer_of(self.current_module) if self._override is _UNSET else self._override
             self._record_layer.append(tag)
             self._event_layer.append(tag)
+            self._record_requested.append(int(storage.nbytes()))
 
     def _free(self, key: int) -> None:
         idx = self._live[key]
@@ -221,5 +227,6 @@ class LayerTaggingTracker(MemoryTracker):
                   if self._records[idx].category is not MemoryCategory.HOST]
         assert len(device) == len(res.events), "one layer per device event"
         roles = [(self._role(r.module), r.phase.value, r.nbytes) for r in self._records]
-        tags = LayerTags(event_layer=device, record_layer=list(self._record_layer), record_role=roles)
+        tags = LayerTags(event_layer=device, record_layer=list(self._record_layer), record_role=roles,
+                         record_requested=list(self._record_requested))
         return dataclasses.replace(res, layer_tags=tags if self._prefix else None)

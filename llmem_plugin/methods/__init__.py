@@ -268,7 +268,8 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
     builds its own (:mod:`llmem_plugin.fastsynth`, with its guard): the
     allocated and reserved peaks are then those of the full trace, without
     tracing it. Breakdowns, host bytes and communication are affine, as in
-    :func:`extrapolated`.
+    :func:`extrapolated` (a flat buffer's share of the breakdown within the
+    allocator's 512-B rounding per extrapolated layer).
 
     Args:
         growing_buffers: The method vouches that its buffers outside the
