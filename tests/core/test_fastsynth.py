@@ -84,7 +84,8 @@ def test_guard_refuses_a_copy_that_does_not_repeat():
         timeline=[*short.timeline, short.timeline[-1]],
         layer_tags=dataclasses.replace(tags, event_layer=[*tags.event_layer[:-1], None, tags.event_layer[-1]],
                                        record_layer=[*tags.record_layer, None],
-                                       record_role=[*tags.record_role, ("", "optimizer", 512)]),
+                                       record_role=[*tags.record_role, ("", "optimizer", 512)],
+                                       record_requested=[*tags.record_requested, 512]),
     )
     with pytest.raises(fastsynth.SynthesisError, match=f"at event {len(short.events) - 1} of {len(short.events) + 1}"):
         fastsynth.full_depth_trace(odd, long, plan, full)
