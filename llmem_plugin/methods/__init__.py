@@ -94,7 +94,8 @@ def estimate_method(
             f"--method {name} traces every micro-step of the accumulation window, and grad_accum_steps "
             f"{workload.grad_accum_steps} is above {MAX_TRACED_MICRO_STEPS}. HINT: estimate it with --grad-accum "
             f"{MAX_TRACED_MICRO_STEPS} or fewer, or with --method single")
-    fn = importlib.import_module(f"llmem_plugin.methods.{mod}").estimate
+    module = importlib.import_module(f"llmem_plugin.methods.{mod}")
+    fn = module.estimate
     if not isinstance(gpu, GPU):
         from llmem_plugin.estimate import _resolve_gpu
 
@@ -107,7 +108,6 @@ def estimate_method(
     if mod == "pp":  # its fast mode shortens each stage, not the model (llmem_plugin.methods.pp)
         return fn(model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, fast=fast and not isinstance(model, nn.Module), **{**settings, **options})
-    module = importlib.import_module(f"llmem_plugin.methods.{mod}")
     if not fast and stream_synthesis and not isinstance(model, nn.Module) and hasattr(module, "synthesis_blocker"):
         # The module traces with methods.base.new_tracker and says where its rules carry state across layers.
         why = module.synthesis_blocker(model, workload, layout=layout, **{**settings, **options})
