@@ -336,44 +336,75 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
     peak = live
     segments: dict[str, int] = {}
     phases: dict[str, int] = {}
+    made: dict[tuple, Template | None] = {}  # a template at ``m``, by (key, per_microbatch, extra)
+    real_part: dict[str, str] = {}  # a part's name as the real rank names it
 
-    def play(name: str, key: tuple, kind: str, per_microbatch: bool = False, extra: int = 0, settle: int = 0
-             ) -> bool:
-        nonlocal live, peak
-        a, b = tpl_a.get(key), tpl_b.get(key)
-        if a is None or b is None:  # a context both runs must show, to tell a constant from a trend
-            return False
-        tpl = _between(a, b, m_a, m_b, m, per_microbatch, extra)
-        if tpl is None:
-            return False
-        for part, high, end in tpl.parts:
+    def renamed(part: str) -> str:
+        out = real_part.get(part)
+        if out is None:
             head, hash_, count = part.partition("#")
             if head[:1] == "s" and head[1:].isdigit():  # an allocation at a stage's root: "s1#1" names its stage
-                part = f"s{to_real[int(head[1:])]}{hash_}{count}"
-            segments[f"{name}|{part}" if part else name] = live + high
-            phases[_phase(kind)] = max(phases.get(_phase(kind), 0), live + high)
-            peak = max(peak, live + high)
+                out = f"s{to_real[int(head[1:])]}{hash_}{count}"
+            else:
+                out = part
+            real_part[part] = out
+        return out
+
+    def play(name: str, key: tuple, phase: str, per_microbatch: bool = False, extra: int = 0, settle: int = 0
+             ) -> bool:
+        nonlocal live, peak
+        made_key = (key, per_microbatch, extra)
+        if made_key in made:
+            tpl = made[made_key]
+        else:
+            a, b = tpl_a.get(key), tpl_b.get(key)
+            # A context both runs must show, to tell a constant from a trend.
+            tpl = None if a is None or b is None else _between(a, b, m_a, m_b, m, per_microbatch, extra)
+            made[made_key] = tpl
+        if tpl is None:
+            return False
+        if tpl.parts:
+            top = phases.get(phase, -1)
+            for part, high, _ in tpl.parts:
+                at = live + high
+                segments[f"{name}|{renamed(part)}" if part else name] = at
+                if at > top:
+                    top = at
+            phases[phase] = top
+            if top > peak:
+                peak = top
         live += tpl.delta - settle
         return True
+
+    # Each action's two parts (its own, then what follows it), worked out once: the name's head, the
+    # key's tail in the stand-in's stage numbers, the phase, and whether it is the step's tail.
+    last_i = len(actions) - 1
+    plan = []
+    for i, (a, key) in enumerate(zip(actions, keys)):
+        vk_tail = _relabel(key, to_virtual)[1:]
+        for kind in (a.kind, f"after-{a.kind}"):
+            plan.append((f"{kind}:{a.stage}:{a.microbatch}:", kind, vk_tail, _phase(kind),
+                         kind.startswith("after-") and i == last_i))
+    tail_extra, tail_settle = slack[1], slack[0] + slack[1]
 
     traced = traced_steps if traced_steps is not None else traced_accumulation(accumulation)
     for it in range(iterations):
         for k in range(accumulation):
             n, nv = it * accumulation + k, it * traced + min(k, traced - 1)  # the real step, the run's
             # Added at every step (a step's new inputs may be allocated while the last step's are still held).
-            if not play(f"step:{n}", (f"step:{nv}",), "step", per_microbatch=True, extra=slack[0]):
+            if not play(f"step:{n}", (f"step:{nv}",), "setup", per_microbatch=True, extra=slack[0]):
                 return None
-            for i, (a, key) in enumerate(zip(actions, keys)):
-                vk = _relabel(key, to_virtual)
-                for kind in (a.kind, f"after-{a.kind}"):
-                    tail = kind.startswith("after-") and i == len(actions) - 1
-                    # The tail frees the step's inputs and merged outputs, whose slack then goes with them: the
-                    # start's and its own are taken back (each freed as extrapolated, exactly what was
-                    # allocated less its slack), so the live bytes do not drift up a slack per step.
-                    if not play(f"{kind}:{a.stage}:{a.microbatch}:{n}", (kind, nv, *vk[1:]), kind,
-                                per_microbatch=tail, extra=slack[1] if tail else 0,
-                                settle=slack[0] + slack[1] if tail else 0):
-                        return None
+            for head, kind, vk_tail, phase, tail in plan:
+                # The tail frees the step's inputs and merged outputs, whose slack then goes with them: the
+                # start's and its own are taken back (each freed as extrapolated, exactly what was
+                # allocated less its slack), so the live bytes do not drift up a slack per step.
+                if tail:
+                    ok = play(f"{head}{n}", (kind, nv, *vk_tail), phase, per_microbatch=True, extra=tail_extra,
+                              settle=tail_settle)
+                else:
+                    ok = play(f"{head}{n}", (kind, nv, *vk_tail), phase)
+                if not ok:
+                    return None
         if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
             return None
     return Composed(peak, segments, phases)
