@@ -377,15 +377,17 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
         return True
 
     # Each action's two parts (its own, then what follows it), worked out once: the name's head, the
-    # key's tail in the stand-in's stage numbers, the phase, and whether it is the step's tail.
-    last_i = len(actions) - 1
+    # key's tail in the stand-in's stage numbers, the phase, and (per_microbatch, extra, settle), which only
+    # the step's tail sets. The tail frees the step's inputs and merged outputs, whose slack then goes with
+    # them: the start's and its own are taken back (each freed as extrapolated, exactly what was allocated
+    # less its slack), so the live bytes do not drift up a slack per step.
     plan = []
     for i, (a, key) in enumerate(zip(actions, keys)):
         vk_tail = _relabel(key, to_virtual)[1:]
         for kind in (a.kind, f"after-{a.kind}"):
+            tail = kind.startswith("after-") and i == len(actions) - 1
             plan.append((f"{kind}:{a.stage}:{a.microbatch}:", kind, vk_tail, _phase(kind),
-                         kind.startswith("after-") and i == last_i))
-    tail_extra, tail_settle = slack[1], slack[0] + slack[1]
+                         (True, slack[1], slack[0] + slack[1]) if tail else (False, 0, 0)))
 
     traced = traced_steps if traced_steps is not None else traced_accumulation(accumulation)
     for it in range(iterations):
@@ -394,16 +396,8 @@ def compose(runs: tuple[tuple[Traced, dict[tuple, Template]], tuple[Traced, dict
             # Added at every step (a step's new inputs may be allocated while the last step's are still held).
             if not play(f"step:{n}", (f"step:{nv}",), "setup", per_microbatch=True, extra=slack[0]):
                 return None
-            for head, kind, vk_tail, phase, tail in plan:
-                # The tail frees the step's inputs and merged outputs, whose slack then goes with them: the
-                # start's and its own are taken back (each freed as extrapolated, exactly what was
-                # allocated less its slack), so the live bytes do not drift up a slack per step.
-                if tail:
-                    ok = play(f"{head}{n}", (kind, nv, *vk_tail), phase, per_microbatch=True, extra=tail_extra,
-                              settle=tail_settle)
-                else:
-                    ok = play(f"{head}{n}", (kind, nv, *vk_tail), phase)
-                if not ok:
+            for head, kind, vk_tail, phase, (per_microbatch, extra, settle) in plan:
+                if not play(f"{head}{n}", (kind, nv, *vk_tail), phase, per_microbatch, extra, settle):
                     return None
         if not play(f"optimizer:{it}", (f"optimizer:{it}",), "optimizer"):
             return None
