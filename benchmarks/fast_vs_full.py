@@ -115,7 +115,7 @@ def main() -> None:
 
     from _common import RESULTS, environment
 
-    from llmem_plugin import catalog
+    from llmem_plugin.models import catalog
 
     names = sys.argv[1:] or [*sorted(catalog.names()), *EXTRA]
     path = os.path.join(RESULTS, f"fast-vs-full-{dt.date.today().isoformat()}.jsonl")

@@ -1,5 +1,5 @@
 """Host RSS of a training process before any model state: the framework's
-resident memory that :data:`llmem_plugin.host.FRAMEWORK_RSS_BYTES` records.
+resident memory that :data:`llmem_plugin.device.host.FRAMEWORK_RSS_BYTES` records.
 
 Each case runs in a fresh process and reports its resident set size
 (``psutil.Process().memory_info().rss``) and peak (``ru_maxrss``) after:

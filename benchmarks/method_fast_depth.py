@@ -19,8 +19,8 @@ METHODS = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "
 
 
 def main() -> None:
-    from llmem_plugin import modelbuild
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
     from llmem_plugin.workload import Workload
 

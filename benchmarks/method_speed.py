@@ -31,7 +31,7 @@ CASES = [
 
 def _one(case: dict) -> dict:
     import torch  # noqa: F401  (imported before timing, as any caller has it)
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
     from llmem_plugin.workload import Workload
 

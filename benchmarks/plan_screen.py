@@ -23,7 +23,7 @@ CASES = [
 
 def main() -> None:
     from llmem_plugin.errors import LLMemError, WontFitError
-    from llmem_plugin.planner import _Config, _registry_call, plan
+    from llmem_plugin.planner.search import _Config, _registry_call, plan
     from llmem_plugin.workload import Workload
 
     rows = []

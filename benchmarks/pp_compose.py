@@ -2,9 +2,9 @@
 
 For each case, estimate every pipeline rank with ``compose=False`` (every microbatch traced), with the
 composition from real stand-in runs (each rank replayed from a small pipeline's runs at two small microbatch
-counts: llmem_plugin.methods.pp_compose; ``placeholders=False``) and with the default composition from
+counts: llmem_plugin.methods.pp.compose; ``placeholders=False``) and with the default composition from
 synthesised stand-in runs (placeholder stages through the stand-in's schedule, one small real run per kind of
-rank: llmem_plugin.methods.pp_synth), all in fast mode (stages at 1 and 2 layers, extrapolated), and record per
+rank: llmem_plugin.methods.pp.synth), all in fast mode (stages at 1 and 2 layers, extrapolated), and record per
 rank the tensor, allocated and reserved peaks of both and the wall time of each, with the machine and
 versions. A case with ``full: false`` times the composition alone (tracing every microbatch there takes
 too long to repeat).
@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
     from llmem_plugin.workload import Workload
 

@@ -2,7 +2,7 @@
 
 For each case, estimate every pipeline rank with the full trace (every stage
 at its depth, every microbatch) and with ``fast=True`` (each rank's stages at
-1 and 2 layers, extrapolated part by part: llmem_plugin.methods.pp), and
+1 and 2 layers, extrapolated part by part: llmem_plugin.methods.pp.method), and
 record per rank the tensor, allocated and reserved peaks of both and the
 wall time of each estimate, with the machine and versions, and for each rank
 fast mode extrapolated, its two shortened runs' peaks.
@@ -38,9 +38,9 @@ def main() -> None:
     import torch
     import transformers
 
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
-    from llmem_plugin.methods import pp as pp_method
+    from llmem_plugin.methods.pp.method import method as pp_method
     from llmem_plugin.workload import Workload
 
     env = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),

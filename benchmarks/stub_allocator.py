@@ -1,10 +1,10 @@
-"""Differential check of ``llmem_plugin.allocator`` against torch's real allocator.
+"""Differential check of ``llmem_plugin.device.allocator`` against torch's real allocator.
 
 Every case is one event stream under one setting. The real side replays it
 through torch 2.13's CUDA caching allocator on the stub device
 (``stub_allocator_worker.py`` in ``.stubvenv``, one process per
 ``PYTORCH_CUDA_ALLOC_CONF`` and capacity, many cases per process); the
-simulated side through :func:`llmem_plugin.allocator.replay` with the same
+simulated side through :func:`llmem_plugin.device.allocator.replay` with the same
 ``AllocatorConfig.from_env(conf)``, capacity, memory fraction and device
 memory. A case is identical when the OOM event, both peaks and the
 (allocated, reserved) bytes after every event agree.
@@ -28,8 +28,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from llmem_plugin.allocator import replay
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.device.allocator import replay
+from llmem_plugin.device.allocator_config import AllocatorConfig
 
 __all__ = [
     "BIG_STREAM", "Case", "big_stream", "compare", "estimator_stream", "full_matrix", "random_stream", "run_cases",
@@ -40,7 +40,7 @@ _GiB = 1 << 30
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_allocator_worker.py")
 GPU = "h100-sxm"
 # What the stub reports as totalGlobalMem for h100-sxm: the catalog's
-# driver_memory_bytes (llmem_plugin/catalog/gpus.json), read back by the worker.
+# driver_memory_bytes (llmem_plugin/models/catalog/gpus.json), read back by the worker.
 DEVICE_MEMORY_BYTES = 85_520_809_984
 # Cases per worker process. Each expandable segment reserves 1 1/8 of the
 # device memory of address space that the stub never reuses (its arena is
@@ -123,9 +123,9 @@ def estimator_stream(model: str, *, seq_len: int = 256, batch_size: int = 1, lor
     model's single-GPU step on the H100 SXM (bf16 autocast, AdamW), cuBLAS
     workspaces included."""
     est = importlib.import_module("llmem_plugin.estimate")
-    from llmem_plugin import modelbuild
-    from llmem_plugin.gpus import get_gpu
-    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.device.gpus import get_gpu
+    from llmem_plugin.device.overheads import device_overheads
     from llmem_plugin.workload import LoraSpec, Workload
 
     wl = Workload(seq_len=seq_len, micro_batch_size=batch_size, lora=LoraSpec() if lora else None)
@@ -257,12 +257,18 @@ def baseline_modules(rev: str) -> tuple:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     mods = {}
     for name in ("allocator_config", "allocator"):
-        src = subprocess.run(["git", "show", f"{rev}:llmem_plugin/{name}.py"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout
-        src = src.replace("from llmem_plugin.allocator_config import", "from _baseline_allocator_config import")
+        # the allocator moved to llmem_plugin/device/ with the stage layout; older revisions hold it at the top
+        for path in (f"llmem_plugin/device/{name}.py", f"llmem_plugin/{name}.py"):
+            show = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True)
+            if show.returncode == 0:
+                break
+        show.check_returncode()
+        src = show.stdout
+        for old in ("from llmem_plugin.device.allocator_config import", "from llmem_plugin.allocator_config import"):
+            src = src.replace(old, "from _baseline_allocator_config import")
         mod = types.ModuleType(f"_baseline_{name}")
         sys.modules[mod.__name__] = mod  # dataclasses look their module up
-        exec(compile(src, f"{rev}:llmem_plugin/{name}.py", "exec"), mod.__dict__)
+        exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
         mods[name] = mod
     return mods["allocator"].replay, mods["allocator_config"].AllocatorConfig
 

@@ -14,7 +14,7 @@ CASES.json: ``{"cases": [{"name": str, "events": [[+1|-1, key, nbytes], ...],
 "results": [{"name", "per_event": [[allocated, reserved], ...],
 "peak_allocated", "peak_reserved", "oom_event"}, ...]}``. ``per_event``
 holds the state after each event up to (not including) the first OOM, where
-the case stops, as ``llmem_plugin.allocator.replay`` does.
+the case stops, as ``llmem_plugin.device.allocator.replay`` does.
 
 Between cases every block is freed, the fraction reset to 1.0 (no limit),
 the cache emptied and the peaks reset; the worker then checks that nothing is

@@ -1,7 +1,7 @@
 """Time of a variable-length estimate (``llmem estimate --seq-lens``) on this machine.
 
 What it costs against the one-shape estimate it extends: the lengths it
-traces to derive every step's event stream (``llmem_plugin.varlen``), and the
+traces to derive every step's event stream (``llmem_plugin.techniques.varlen``), and the
 replay of the run through the simulated allocator until reserved settles.
 Each case runs in a fresh process after one warm-up estimate of a tiny model.
 
@@ -25,7 +25,7 @@ CASES = [
 def _one(case: dict) -> dict:
     t0 = time.perf_counter()
     import llmem_plugin
-    from llmem_plugin.varlen import estimate_variable_length
+    from llmem_plugin.techniques.varlen import estimate_variable_length
     from llmem_plugin.workload import Workload
 
     llmem_plugin.estimate("llama-3.2-1b", seq_len=64, fast=True)  # warm-up: imports, first calls

@@ -29,7 +29,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainingArguments
 
-from llmem_plugin import catalog
+from llmem_plugin.models import catalog
 from llmem_plugin.integrations.hf import LLMemCallback
 
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,

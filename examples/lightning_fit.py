@@ -51,7 +51,7 @@ class CausalLM(pl.LightningModule):
         # (models/llama/modeling_llama.py, LlamaModel.forward) whose torch.cat
         # copies of every layer's keys and values stay alive to the end of
         # forward (cache_utils.py, DynamicLayer.update), memory the estimate,
-        # which runs use_cache=False (llmem_plugin/step.py, _forward), omits.
+        # which runs use_cache=False (llmem_plugin/trace/step.py, _forward), omits.
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
         self.log("loss", loss)
         return loss

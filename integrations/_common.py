@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, LLMemError
-from llmem_plugin.gpus import GPU, get_gpu, match_device_name, size_bytes
-from llmem_plugin.verify import Prediction
+from llmem_plugin.device.gpus import GPU, get_gpu, match_device_name, size_bytes
+from llmem_plugin.verify.meter import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
 
 __all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "live_model",
@@ -30,7 +30,7 @@ __all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "ch
 
 # The estimate is the steady state: optimizer states are created by the first
 # optimizer step and are alive through the second step's forward and backward
-# (llmem_plugin/step.py traces NUM_ITERATIONS = 2 steps for that). A measured
+# (llmem_plugin/trace/step.py traces NUM_ITERATIONS = 2 steps for that). A measured
 # peak is compared with it only once that step has run: step 1 alone lacks the
 # states during its forward (+39.8% on a tiny Llama, tests/integrations/test_hf.py).
 FIRST_STEADY_STEP = 2
@@ -112,7 +112,7 @@ class LiveModel:
         lora: LoRA settings when ``module`` is a peft LoRA model.
         param_dtype: Dtype of its floating-point parameters.
         quant: The Workload fields its bitsandbytes 4-bit layers imply
-            (:func:`llmem_plugin.quant.live_quantization`), or None.
+            (:func:`llmem_plugin.techniques.quant.live_quantization`), or None.
         name: A short description for reports and rows.
     """
 
@@ -177,7 +177,7 @@ def live_model(model: nn.Module) -> LiveModel:
             lora = LoraSpec(rank=int(pc.r), alpha=float(pc.lora_alpha), dropout=float(pc.lora_dropout),
                             target_modules=targets or LoraSpec().target_modules)
         config = getattr(hf.get_base_model(), "config", config) if hasattr(hf, "get_base_model") else config
-    from llmem_plugin.modelbuild import majority_dtype
+    from llmem_plugin.models.modelbuild import majority_dtype
 
     dtype = majority_dtype(hf)
     if lora is not None:
@@ -188,7 +188,7 @@ def live_model(model: nn.Module) -> LiveModel:
             lora = dataclasses.replace(lora, adapter_dtype="base")
     name = getattr(config, "name_or_path", "") or ""
     name = name or (f"{getattr(config, 'model_type', '')}" if config is not None else type(hf).__name__)
-    from llmem_plugin.quant import live_quantization
+    from llmem_plugin.techniques.quant import live_quantization
 
     return LiveModel(module=hf, config=config, lora=lora, param_dtype=dtype, name=name or type(hf).__name__,
                      quant=live_quantization(hf))
@@ -216,7 +216,7 @@ def batch_dims(batch: Any) -> tuple[int, int] | None:
 
 def packing_of(batch: Any) -> tuple[int, str] | None:
     """(documents, where their boundaries come from) of a padding-free packed
-    batch (``llmem_plugin.packing``), None for a padded one.
+    batch (``llmem_plugin.techniques.packing``), None for a padded one.
 
     A packed batch is one row: with ``cu_seq_lens_q`` among the inputs (TRL's
     padding-free collator) the boundaries come from the collator; a row with
@@ -243,7 +243,7 @@ def packing_of(batch: Any) -> tuple[int, str] | None:
 def _task_dim(live: "LiveModel", batch: Any, task: Any, key: str, ndim: int) -> int | None:
     """``batch[key].shape[1]`` when ``live`` is a ``task`` model and that
     tensor has ``ndim`` dimensions; None otherwise."""
-    from llmem_plugin.tasks import model_task
+    from llmem_plugin.models.tasks import model_task
 
     try:
         if model_task(live.module) is not task:
@@ -257,7 +257,7 @@ def _task_dim(live: "LiveModel", batch: Any, task: Any, key: str, ndim: int) -> 
 def target_len(live: "LiveModel", batch: Any) -> int | None:
     """The target length of a seq2seq model's batch (its ``labels``' second
     dimension); None for other models, or a batch without 2-D labels."""
-    from llmem_plugin.tasks import Task
+    from llmem_plugin.models.tasks import Task
 
     return _task_dim(live, batch, Task.SEQ2SEQ, "labels", 2)
 
@@ -266,7 +266,7 @@ def images_per_sample(live: "LiveModel", batch: Any) -> int | None:
     """Images per sample of a vision-language model's batch (``pixel_values``
     ``[batch, images, tiles, 3, H, W]``, Mllama's processor); None for other
     models or a batch without images."""
-    from llmem_plugin.tasks import Task
+    from llmem_plugin.models.tasks import Task
 
     return _task_dim(live, batch, Task.IMAGE_TEXT, "pixel_values", 6)
 
@@ -360,7 +360,7 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
         host_fits = bool(est.host_fits)
         fits = bool(est.fits) and est.device_total_bytes <= limit and host_fits
     else:
-        host_fits = True  # per-method host verdicts are the planner's (llmem_plugin.host)
+        host_fits = True  # per-method host verdicts are the planner's (llmem_plugin.device.host)
         layout = Layout(num_gpus=num_gpus, num_nodes=num_nodes, tp=tp)
         est = estimate_method(method, live.module, workload, layout=layout, gpu=target, **(options or {}))
         pred = dataclasses.replace(Prediction.of(est, workload=workload, model=live.name,
@@ -374,12 +374,12 @@ def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | N
            num_nodes: int = 1, margin: float = 0.05, methods: list[str] | None = None,
            global_batch: int | None = None, micro_batch: int | None = None,
            grad_checkpointing: bool | None = None, tps: list[int] | None = None) -> Any:
-    """Plan ``live`` over ``methods``; the :class:`~llmem_plugin.planner.Plan`.
+    """Plan ``live`` over ``methods``; the :class:`~llmem_plugin.planner.search.Plan`.
 
     Raises:
         WontFitError: Nothing fits (carries the plan and its suggestions).
     """
-    from llmem_plugin.planner import plan
+    from llmem_plugin.planner.search import plan
 
     if live.lora is not None:
         workload = dataclasses.replace(workload, lora=live.lora)
@@ -393,7 +393,7 @@ def report_text(obj: Any, *, gpu: GPU | None = None, width: int = 110) -> str:
     """The memory report of an estimate, method estimate or plan, as plain text."""
     from rich.console import Console
 
-    from llmem_plugin import report
+    from llmem_plugin.cli import report
 
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, highlight=False)

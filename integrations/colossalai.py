@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, WontFitError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = ["PLUGINS", "auto_booster", "build_booster", "choose_plugin"]

@@ -5,7 +5,7 @@ model_parameters=..., config=cfg)`` builds the optimizer from it), and it runs
 what the plan estimated:
 
 * ``optimizer``: the optimizer the estimate traced
-  (:func:`llmem_plugin.step.make_optimizer`), with its hyperparameters as
+  (:func:`llmem_plugin.trace.step.make_optimizer`), with its hyperparameters as
   that optimizer holds them. DeepSpeed builds it in
   ``DeepSpeedEngine._configure_basic_optimizer`` (deepspeed/runtime/engine.py,
   0.19.8): type ``"AdamW"`` with ``"torch_adam": true`` is
@@ -63,7 +63,7 @@ def optimizer_section(kind: OptimizerKind, *, offload: bool) -> dict[str, Any]:
     """
     import torch
 
-    from llmem_plugin.step import make_optimizer
+    from llmem_plugin.trace.step import make_optimizer
 
     if kind.is_bitsandbytes:
         raise UnsupportedError(f"--optimizer {kind.value} is bitsandbytes', which a DeepSpeed config cannot name. "
@@ -92,7 +92,7 @@ def to_deepspeed_config(plan: Any, candidate: Any = None, *, optimizer: bool = T
     """The DeepSpeed config dict of a plan's choice (or of ``candidate``).
 
     Args:
-        plan: A :class:`llmem_plugin.planner.Plan`.
+        plan: A :class:`llmem_plugin.planner.search.Plan`.
         candidate: One of ``plan.candidates``; the plan's choice if None.
         optimizer: Include the ``optimizer`` section. A trainer that builds
             the optimizer itself (HF Trainer from its arguments, Lightning

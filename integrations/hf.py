@@ -6,7 +6,7 @@ on the live model just before its first forward, when the first batch's
 shape is known. If the peak does not fit the GPU less the margin it raises
 :class:`~llmem_plugin.errors.WontFitError` with the memory report (or
 warns). After ``compare_after_steps`` optimizer steps it compares the
-prediction with the measured peak (:mod:`llmem_plugin.verify`), logs
+prediction with the measured peak (:mod:`llmem_plugin.verify.meter`), logs
 ``llmem/predicted_peak_gib``, ``llmem/actual_peak_gib`` and ``llmem/error_pct``
 through ``Trainer.log`` (so every reporting integration gets them), and
 appends a row to ``<output_dir>/llmem-verify.jsonl`` for ``llmem validate``.
@@ -36,10 +36,10 @@ import torch
 from llmem_plugin.integrations import _common
 from transformers import TrainerCallback
 
-from llmem_plugin import checkpointing
+from llmem_plugin.techniques import checkpointing
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontFitError
 from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
-from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
+from llmem_plugin.verify.meter import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
 from llmem_plugin.workload import Precision, Workload
 
 __all__ = ["LLMemCallback", "autoconfigure", "job_of"]
@@ -125,7 +125,7 @@ def _workload(args: Any, live: _common.LiveModel, batch: int, seq_len: int, targ
     # transformers 5 renamed the kwargs to activation_checkpointing_kwargs (the old name is an alias)
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
     save_ops = checkpointing.policy_of(kwargs) if gc else None
-    # TRL's trainers score the tokens with their fused LM head (llmem_plugin.trl_head), not the model's loss.
+    # TRL's trainers score the tokens with their fused LM head (llmem_plugin.techniques.trl_head), not the model's loss.
     return Workload(loss="trl-fused" if trl else "hf", reference_model=trl == "dpo", seq_len=seq_len, micro_batch_size=batch, grad_accum_steps=int(args.gradient_accumulation_steps),
                     precision=precision, optimizer=_OPTIM[optim],
                     grad_checkpointing=gc, checkpoint_save_ops=save_ops,
@@ -186,7 +186,7 @@ def _real_process_group_set_aside():
 
 # TRL trainers whose training step the estimate runs (trl 1.16): SFTTrainer's compute_loss is the fused
 # head's negative log-likelihood over the batch; DPOTrainer's _compute_loss scores [chosen; rejected] rows
-# through the fused head and then the reference's (llmem_plugin.trl_head, llmem_plugin.reference).
+# through the fused head and then the reference's (llmem_plugin.techniques.trl_head, llmem_plugin.techniques.reference).
 _TRL_MODELLED = ("SFTTrainer", "DPOTrainer")
 
 
@@ -209,7 +209,7 @@ def _trl_step(trainer: Any, live: _common.LiveModel) -> str | None:
             DPO's precomputed reference log-probs, WPO weighting, and a reference model other than the
             policy's architecture in its dtype change what each step holds.
     """
-    from llmem_plugin.trl_head import DPO_REFUSED, has_fused_head
+    from llmem_plugin.techniques.trl_head import DPO_REFUSED, has_fused_head
 
     trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"] if trainer else []
     if not trl_classes:
@@ -289,7 +289,7 @@ class LLMemCallback(TrainerCallback):
     Attributes:
         check: The :class:`~llmem_plugin.integrations._common.Check` made
             before the first step (None until then, or when it was skipped).
-        comparison: The :class:`~llmem_plugin.verify.Comparison` (None until made).
+        comparison: The :class:`~llmem_plugin.verify.meter.Comparison` (None until made).
     """
 
     def __init__(self, on_wont_fit: str = "abort", margin: float = 0.05, compare_after_steps: int = 3,
@@ -397,7 +397,7 @@ class LLMemCallback(TrainerCallback):
 
     def _start_meter(self, live, kwargs_in, args_in) -> None:
         precision = Precision(self.check.prediction.workload["precision"])
-        from llmem_plugin.gpus import get_gpu
+        from llmem_plugin.device.gpus import get_gpu
 
         cc = get_gpu(self.check.prediction.gpu).compute_capability
         self._meter = PeakMeter(autocast_dtype=precision.autocast_dtype, compute_capability=cc)

@@ -12,7 +12,7 @@ first training batch, plans the LightningModule over the methods the
 accelerator can run, replaces itself with the real Lightning strategy of the
 choice (DDP, FSDP, DeepSpeed ZeRO, ModelParallel) and lets Lightning pick
 that strategy's precision plugin. After the first steps it compares the
-predicted peak with the measured one (:mod:`llmem_plugin.verify`).
+predicted peak with the measured one (:mod:`llmem_plugin.verify.meter`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _ON_WONT_FIT = ("abort", "warn")
 _ZERO = ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
 _FSDP = ("fsdp", "fsdp-offload")
 _TP = ("tp", "dp-tp", "fsdp-tp")
-# Planner names that are a registry method with options (llmem_plugin.planner._VARIANTS).
+# Planner names that are a registry method with options (llmem_plugin.planner.search._VARIANTS).
 _CHECK_AS = {"fsdp-offload": ("fsdp", {"cpu_offload": True})}
 # torch.optim classes by the workload's optimizer (llmem_plugin.workload.OptimizerKind).
 _OPTIMIZERS = {"AdamW": "adamw", "SGD": "sgd", "Adafactor": "adafactor"}
@@ -161,7 +161,7 @@ def lightning_strategy(plan: Any, candidate: Any = None, *, module: Any = None,
     """The Lightning strategy object that runs a plan's choice (or ``candidate``).
 
     Args:
-        plan: A :class:`llmem_plugin.planner.Plan`.
+        plan: A :class:`llmem_plugin.planner.search.Plan`.
         candidate: One of ``plan.candidates``; the plan's choice if None.
         module: The model, for FSDP's wrap policy (its decoder-layer classes).
         package: ``lightning.pytorch`` or ``pytorch_lightning``.
@@ -300,7 +300,7 @@ class _AutoStrategyMixin:
                  gpu_memory: int | str | None = None, on_wont_fit: str = "abort", compare_after_steps: int = 3,
                  tolerance_pct: float | None = None, strict: bool | None = None, **ddp_kwargs: Any) -> None:
         from llmem_plugin.integrations import _common
-        from llmem_plugin.verify import DEFAULT_TOLERANCE_PCT
+        from llmem_plugin.verify.meter import DEFAULT_TOLERANCE_PCT
 
         margin = float(os.environ.get(ENV_MARGIN, "0.05")) if margin is None else margin
         if not 0 <= margin < 1:
@@ -564,7 +564,7 @@ class _MeterMixin:
             return
         import torch
 
-        from llmem_plugin.verify import PeakMeter
+        from llmem_plugin.verify.meter import PeakMeter
 
         wl = self.decision.prediction.workload
         autocast = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(wl["precision"])
@@ -596,7 +596,7 @@ class _MeterMixin:
     def _finish(self, trainer: Any, pl_module: Any) -> None:
         from lightning_utilities.core.rank_zero import rank_zero_info
 
-        from llmem_plugin.verify import append_row, compare
+        from llmem_plugin.verify.meter import append_row, compare
 
         comparison = compare(self.decision.prediction, self.meter.stop())
         self.comparison = comparison

@@ -8,26 +8,26 @@ from typing import TYPE_CHECKING, Any
 from llmem_plugin.errors import ConfigError, LLMemError, TraceError, UnsupportedError, WontFitError
 
 if TYPE_CHECKING:
-    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import Estimate, estimate
-    from llmem_plugin.gpus import GPU, get_gpu
-    from llmem_plugin.planner import Candidate, Plan, plan
-    from llmem_plugin.tracker import MemoryCategory, Phase
+    from llmem_plugin.device.gpus import GPU, get_gpu
+    from llmem_plugin.planner.search import Candidate, Plan, plan
+    from llmem_plugin.trace.tracker import MemoryCategory, Phase
     from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
 
 # The names below load their module on first use (PEP 562), so that importing
 # the package, as `llmem --help` does, does not import torch.
 _LAZY = {
-    "AllocatorConfig": "allocator_config",
+    "AllocatorConfig": "device.allocator_config",
     "Estimate": "estimate",
     "estimate": "estimate",
-    "GPU": "gpus",
-    "get_gpu": "gpus",
-    "Candidate": "planner",
-    "Plan": "planner",
-    "plan": "planner",
-    "MemoryCategory": "tracker",
-    "Phase": "tracker",
+    "GPU": "device.gpus",
+    "get_gpu": "device.gpus",
+    "Candidate": "planner.search",
+    "Plan": "planner.search",
+    "plan": "planner.search",
+    "MemoryCategory": "trace.tracker",
+    "Phase": "trace.tracker",
     "AttentionImpl": "workload",
     "LoraSpec": "workload",
     "OptimizerKind": "workload",

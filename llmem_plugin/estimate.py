@@ -13,17 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin import modelbuild
-from llmem_plugin.allocator import AllocatorConfig, AllocatorResult, CachingAllocator, SimulatedOOM, replay
+from llmem_plugin.models import modelbuild
+from llmem_plugin.device.allocator import AllocatorConfig, AllocatorResult, CachingAllocator, SimulatedOOM, replay
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
-from llmem_plugin.gpus import GPU, get_gpu, size_bytes
-from llmem_plugin.overheads import (
+from llmem_plugin.device.gpus import GPU, get_gpu, size_bytes
+from llmem_plugin.device.overheads import (
     DeviceOverheads,
     device_overheads,
     workspace_allocations,
 )
-from llmem_plugin.step import MAX_TRACED_MICRO_STEPS, NUM_ITERATIONS, STEADY_MICRO_STEPS, micro_mark, trace_step
-from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
+from llmem_plugin.trace.step import MAX_TRACED_MICRO_STEPS, NUM_ITERATIONS, STEADY_MICRO_STEPS, micro_mark, trace_step
+from llmem_plugin.trace.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import LoraSpec, Workload
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
 # has tens of thousands of events.
 _TIMELINE_POINTS = 512
 DEFAULT_GPU = "h100-sxm"
-# Where fast mode cannot build the full event stream (llmem_plugin.fastsynth)
+# Where fast mode cannot build the full event stream (llmem_plugin.trace.fastsynth)
 # it extrapolates the allocator's peaks per layer. That reserved peak differed
 # from the full replay by -12.3% (mamba-130m) to +32.2% (llama-3.2-3b) on the
 # catalog and the layer-pattern configs in
@@ -103,7 +103,7 @@ class Estimate:
             (``torch.cuda.memory_stats()["num_alloc_retries"]``); when above
             0, the reported peaks are the replay capped at the capacity.
         model_class: The transformers class traced (the config's
-            ``architectures[0]`` decides it, :mod:`llmem_plugin.tasks`).
+            ``architectures[0]`` decides it, :mod:`llmem_plugin.models.tasks`).
     """
 
     model: str
@@ -129,12 +129,12 @@ class Estimate:
     fast: bool
     seconds: float
     memory_timeline: list[tuple[int, str, int, int]] = field(default_factory=list, repr=False)
-    # Paged optimizer states in CUDA managed memory (llmem_plugin.optim): in
+    # Paged optimizer states in CUDA managed memory (llmem_plugin.techniques.optim): in
     # device_total_bytes while resident, not in allocated/reserved, and not in
     # the fits verdict (the driver evicts them to the host under pressure).
     paged_bytes: int = 0
     # One line each on how the estimate treated something the workload does
-    # not fix (llmem_plugin.moe.routing_note: MoE token routing).
+    # not fix (llmem_plugin.techniques.moe.routing_note: MoE token routing).
     notes: tuple[str, ...] = ()
     model_class: str = ""
     alloc_retries: int = 0
@@ -142,12 +142,12 @@ class Estimate:
     # pinned memory, optimizer step counters); never on the device.
     host_peak_bytes: int = 0
     # Host RAM the training process needs (host_peak_bytes plus the process'
-    # own baseline, llmem_plugin.host.process_baseline_bytes), the node's RAM
+    # own baseline, llmem_plugin.device.host.process_baseline_bytes), the node's RAM
     # it is checked against, and where that figure comes from.
     host_bytes: int = 0
     host_capacity_bytes: int = 0
     host_memory_source: str = ""
-    # The setup phase (llmem_plugin.loading): allocated and reserved once the
+    # The setup phase (llmem_plugin.trace.loading): allocated and reserved once the
     # weights are on the GPU, before step 1 (None where the trace has no
     # setup mark). The peaks above cover it: the replay starts there.
     setup_allocated_bytes: int | None = None
@@ -194,10 +194,10 @@ class Estimate:
                 f"of {self.capacity_gib:.2f} GiB, fits={self.fits})")
 
     def __str__(self) -> str:
-        """The summary tables ``llmem estimate`` prints (:func:`llmem_plugin.report.render_estimate`), as text."""
+        """The summary tables ``llmem estimate`` prints (:func:`llmem_plugin.cli.report.render_estimate`), as text."""
         from rich.console import Console
 
-        from llmem_plugin.report import render_estimate
+        from llmem_plugin.cli.report import render_estimate
 
         buf = io.StringIO()
         render_estimate(self, Console(file=buf, width=100, color_system=None, force_terminal=False))
@@ -281,7 +281,7 @@ def vocab_size_of(model: nn.Module) -> int:
     vocabulary when the embedding has more (Mllama's holds 8 extra rows past
     ``text_config.vocab_size``, MllamaTextModel, that the LM head has no logit
     for)."""
-    from llmem_plugin import litgpt
+    from llmem_plugin.models import litgpt
 
     if litgpt.is_litgpt_model(model):
         return litgpt.vocab_size(model)
@@ -300,22 +300,22 @@ def _trace(model: nn.Module, workload: Workload, gpu: GPU | None = None, *, trac
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if tag_layers and tracker is None:
-        from llmem_plugin.layertags import LayerTaggingTracker
+        from llmem_plugin.trace.layertags import LayerTaggingTracker
 
         tracker = LayerTaggingTracker()
 
     gpu = gpu or get_gpu(DEFAULT_GPU)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = vocab_size_of(model)
-    # Eager MoE experts loops get their worst-case routing (llmem_plugin.moe).
-    from llmem_plugin.moe import bound_eager_routing
+    # Eager MoE experts loops get their worst-case routing (llmem_plugin.techniques.moe).
+    from llmem_plugin.techniques.moe import bound_eager_routing
 
     bound_eager_routing(model)
     reference = None
     if workload.reference_model:
         # Built before the policy is made fake: a frozen copy is copied from meta.
-        from llmem_plugin.reference import build_reference
-        from llmem_plugin.tracker import MemoryTracker
+        from llmem_plugin.techniques.reference import build_reference
+        from llmem_plugin.trace.tracker import MemoryTracker
 
         tracker = tracker if tracker is not None else MemoryTracker()
         reference = build_reference(model, workload, tracker=tracker, fake_mode=fake_mode)
@@ -349,7 +349,7 @@ def _allocator_state(alloc: CachingAllocator) -> tuple:
 def _micro_steps_repeat(trace: TraceResult, accum: int, config: AllocatorConfig, overheads: DeviceOverheads,
                         capacity: int | None, traced: int) -> bool:
     """Whether the micro-steps a shortened trace left out repeat its last
-    middle one exactly (see ``llmem_plugin.step.STEADY_MICRO_STEPS``): in each
+    middle one exactly (see ``llmem_plugin.trace.step.STEADY_MICRO_STEPS``): in each
     iteration the allocator is in the same state before and after that
     micro-step, in the replay without a cap and, where the step exceeds the
     capacity, in the capped one. A state that repeats stays repeating (the
@@ -459,7 +459,7 @@ def allocator_events(trace: TraceResult, overheads: DeviceOverheads) -> tuple[li
     CUDA run creates them: each phase's thread (forward: the main thread;
     backward: the autograd engine's) makes its own on its first cuBLAS call,
     after that call's output (the trace's ``cublas:<phase>`` mark,
-    :mod:`llmem_plugin.emulation.kernels`); at the start of the phase in
+    :mod:`llmem_plugin.trace.emulation.kernels`); at the start of the phase in
     traces without the mark.
 
     Returns:
@@ -501,7 +501,7 @@ def capacity_bytes(gpu_memory: int | str | None) -> int | None:
     Args:
         gpu_memory: Bytes (an int of at least 1 MiB), a size with its unit
             (``"80GiB"``, ``"40GB"``, ``"81920MiB"``; a bare number in a
-            string is GiB, as :func:`llmem_plugin.gpus.parse_memory` reads
+            string is GiB, as :func:`llmem_plugin.device.gpus.parse_memory` reads
             it), or None.
 
     Raises:
@@ -538,17 +538,17 @@ def _check_source(model: Any) -> None:
                 "model(input_ids=..., labels=...) for its loss and reads the vocabulary from get_input_embeddings(); "
                 "no other step or input spec is modelled. HINT: pass a transformers causal LM "
                 "(AutoModelForCausalLM), a peft model of one, or its config")
-        from llmem_plugin.tasks import model_task
+        from llmem_plugin.models.tasks import model_task
 
         model_task(model)  # refuses a seq2seq, vision-language, ... module in one line
         return
     if not isinstance(model, (str, os.PathLike)):
         return
     text = os.fspath(model)
-    from llmem_plugin import catalog
-    from llmem_plugin.litgpt import is_litgpt_source
+    from llmem_plugin.models import catalog
+    from llmem_plugin.models.litgpt import is_litgpt_source
 
-    if is_litgpt_source(text):  # llmem_plugin.litgpt checks its name or file
+    if is_litgpt_source(text):  # llmem_plugin.models.litgpt checks its name or file
         return
 
     looks_like_path = text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1 or "\\" in text
@@ -607,8 +607,8 @@ def trace_positions(events: list[tuple[int, int, int]]) -> list[int]:
 
 def setup_peaks(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads) -> tuple[int, int] | None:
     """Peak allocated and reserved of the setup phase: the replay up to the
-    trace's ``loaded`` mark (:data:`llmem_plugin.step.LOADED_MARK`), or None without it."""
-    from llmem_plugin.step import LOADED_MARK
+    trace's ``loaded`` mark (:data:`llmem_plugin.trace.step.LOADED_MARK`), or None without it."""
+    from llmem_plugin.trace.step import LOADED_MARK
 
     pos = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}")
     if pos is None:
@@ -671,7 +671,7 @@ def estimate(
             precision names are accepted (``"bf16-true"`` is ``"bf16"``).
         fast: Trace two shortened models, extrapolate the tensor breakdown
             per layer and build the full model's event stream from the longer
-            copy's (:mod:`llmem_plugin.fastsynth`), replayed like a full
+            copy's (:mod:`llmem_plugin.trace.fastsynth`), replayed like a full
             trace: the same peaks and verdict (config sources only; modules
             are traced in full). Where the stream cannot be built (a note
             says why), the allocator's peaks are extrapolated per layer
@@ -688,7 +688,7 @@ def estimate(
         host_memory: The node's host RAM to check the process' host memory
             against: bytes, a size string ("64GiB"), "local" (this machine's
             RAM), or None for the catalog's instance with this GPU
-            (:func:`llmem_plugin.host.resolve_host_memory`).
+            (:func:`llmem_plugin.device.host.resolve_host_memory`).
 
     Returns:
         The :class:`Estimate`.
@@ -707,14 +707,14 @@ def estimate(
 
     check_supported("single", wl)
     target = _resolve_gpu(gpu, gpu_memory)
-    from llmem_plugin.host import process_baseline_bytes, resolve_host_memory
+    from llmem_plugin.device.host import process_baseline_bytes, resolve_host_memory
 
     host_cap = resolve_host_memory(host_memory, gpu=target, gpus_per_node=1)
     cc = target.compute_capability
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     full = modelbuild.build_model(model, wl, device="meta")
     params, trainable = _count_params(full)
-    from llmem_plugin.optim import paged_state_bytes
+    from llmem_plugin.techniques.optim import paged_state_bytes
 
     paged = paged_state_bytes([p for p in full.parameters() if p.requires_grad], wl.optimizer)
     model_config = getattr(full, "config", None)
@@ -732,16 +732,16 @@ def estimate(
     memory_timeline: list[tuple[int, str, int, int]] = []
     fast_notes: tuple[str, ...] = ()
     replay_in_full = True  # the step's whole event stream is replayed (traced, or built by fastsynth)
-    from llmem_plugin.litgpt import is_litgpt_source
+    from llmem_plugin.models.litgpt import is_litgpt_source
 
     if fast and is_litgpt_source(model):  # fast mode builds shortened transformers configs
         fast = False
         fast_notes = ("fast mode does not apply to a litgpt model: its step was traced in full",)
     if fast and not isinstance(model, nn.Module):
-        from llmem_plugin.fast import extrapolated_trace
-        from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
+        from llmem_plugin.trace.fast import extrapolated_trace
+        from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
 
-        from llmem_plugin import loading
+        from llmem_plugin.trace import loading
 
         splice_setup = loading.has_transients(wl)  # the copies load directly; the full model's setup is spliced in
         with loading.direct_only() if splice_setup else contextlib.nullcontext():
@@ -820,8 +820,8 @@ def estimate(
 
 
 def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
-    from llmem_plugin.moe import routing_note
-    from llmem_plugin.tasks import image_note
+    from llmem_plugin.techniques.moe import routing_note
+    from llmem_plugin.models.tasks import image_note
 
     return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload),
                              _adapter_note(workload), _quantization_note(workload)) if n)

@@ -151,7 +151,7 @@ class Quantization(str, Enum):
     NF4 = "nf4"  # Linear4bit, quant_type="nf4"
     FP4 = "fp4"  # Linear4bit, quant_type="fp4"
     INT8 = "int8"  # Linear8bitLt (LLM.int8)
-    NF4_TORCHAO = "nf4-torchao"  # torchao's NF4Tensor, as torchtune's QLoRA runs it (llmem_plugin.nf4)
+    NF4_TORCHAO = "nf4-torchao"  # torchao's NF4Tensor, as torchtune's QLoRA runs it (llmem_plugin.techniques.nf4)
 
     @property
     def bitsandbytes(self) -> bool:
@@ -175,7 +175,7 @@ class LossImpl(str, Enum):
     HF = "hf"
     NO_UPCAST = "no-upcast"
     LIGER = "liger"
-    TRL_FUSED = "trl-fused"  # TRL 1.16's fused LM head (llmem_plugin.trl_head)
+    TRL_FUSED = "trl-fused"  # TRL 1.16's fused LM head (llmem_plugin.techniques.trl_head)
     CHUNKED = "chunked"
     CCE = "cce"
 
@@ -328,10 +328,10 @@ class LoraSpec:
 # The step divides each micro-batch's loss by grad_accum_steps, a Python int
 # that torch takes as a c10::Scalar, whose integer is int64_t
 # (c10/core/Scalar.h); a larger value fails inside torch. The traced step
-# itself does not grow with it (llmem_plugin.step.traced_micro_steps).
+# itself does not grow with it (llmem_plugin.trace.step.traced_micro_steps).
 MAX_GRAD_ACCUM_STEPS = 2**63 - 1
 # What peft's prepare_model_for_kbit_training does to a QLoRA model's other
-# parameters, as recipes run it (llmem_plugin.quant._upcast_parameters).
+# parameters, as recipes run it (llmem_plugin.techniques.quant._upcast_parameters).
 _KBIT_PREPARE = ("on", "off", "norms-only")
 # The dtypes bitsandbytes' quantize_4bit takes (functional.py: fp16, bf16, fp32).
 _QUANTIZED_FROM = ("fp16", "bf16", "fp32")
@@ -372,7 +372,7 @@ class Workload:
             ``BitsandbytesPrecision`` quantizes from fp16.
         bnb_version: With ``quantize``, the bitsandbytes release the job runs
             (``"0.42.0"``); None: the newest read, 0.50.2 (the adapters pass
-            the installed one; :func:`llmem_plugin.quant.resolve_bnb_version`).
+            the installed one; :func:`llmem_plugin.techniques.quant.resolve_bnb_version`).
         loss: See :class:`LossImpl`.
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
@@ -397,11 +397,11 @@ class Workload:
             same model with its adapters disabled. With ``loss="trl-fused"``
             the step is DPOTrainer 1.16's: both the policy and the reference
             score through TRL's fused head, and the policy's loss is DPO's
-            (:func:`llmem_plugin.trl_head.fused_dpo_loss`).
+            (:func:`llmem_plugin.techniques.trl_head.fused_dpo_loss`).
         target_len: Tokens per target sequence of an encoder-decoder
             (seq2seq) model, whose ``seq_len`` is the source length; None:
             ``seq_len``. Other models have no target sequence.
-        task: What the model is trained for (:class:`llmem_plugin.tasks.Task`:
+        task: What the model is trained for (:class:`llmem_plugin.models.tasks.Task`:
             ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``,
             ``image-text-to-text``, ``masked-lm``); None: the class the
             config's ``architectures`` names.
@@ -414,19 +414,19 @@ class Workload:
             many-th decoder layer only (torchtitan's layer-level selective
             AC: layers ``k-1, 2k-1, ...``; 1: every layer).
         load: How the weights reach the GPU before step 1
-            (:mod:`llmem_plugin.loading`): ``direct`` (each tensor once, in
+            (:mod:`llmem_plugin.trace.loading`): ``direct`` (each tensor once, in
             its training dtype) or ``fp32-cast`` (materialised in fp32, then
             cast to the 16-bit training dtype). QLoRA always loads as
             bitsandbytes quantizes on load.
         checkpoint_save_ops: With ``grad_checkpointing``, op-level selective
             checkpointing: the checkpointed layers keep these ops' outputs
-            and recompute the rest (:mod:`llmem_plugin.checkpointing`): a
+            and recompute the rest (:mod:`llmem_plugin.techniques.checkpointing`): a
             preset (``torchtitan``) or comma-separated ops (``aten.mm``);
             None: keep nothing (full recompute).
         images: Images per sample of a vision-language model (None: 1).
         freeze_vision: Keep a vision-language model's vision tower frozen
             (no gradients or optimizer states for it).
-        packed_docs: A padding-free packed batch (:mod:`llmem_plugin.packing`):
+        packed_docs: A padding-free packed batch (:mod:`llmem_plugin.techniques.packing`):
             each micro-batch's ``micro_batch_size`` x ``seq_len`` tokens
             flattened into one row holding this many documents, their
             boundaries among the inputs for flash attention's varlen kernel
@@ -473,7 +473,7 @@ class Workload:
     packed_boundaries: str = "collator"
 
     def __post_init__(self) -> None:
-        from llmem_plugin.packing import BOUNDARIES
+        from llmem_plugin.techniques.packing import BOUNDARIES
 
         if self.packed_boundaries not in BOUNDARIES:
             raise ConfigError(f"packed boundaries {self.packed_boundaries!r}; valid: {', '.join(BOUNDARIES)}. "
@@ -507,7 +507,7 @@ class Workload:
             raise ConfigError("--checkpoint-save-ops needs non-reentrant checkpointing (torch passes a context_fn "
                               "only with use_reentrant=False). HINT: drop --checkpoint-reentrant")
         if self.checkpoint_save_ops is not None:
-            from llmem_plugin.checkpointing import parse_save_ops
+            from llmem_plugin.techniques.checkpointing import parse_save_ops
 
             object.__setattr__(self, "checkpoint_save_ops", parse_save_ops(self.checkpoint_save_ops).spec)
             if not self.grad_checkpointing:
@@ -522,7 +522,7 @@ class Workload:
             raise ConfigError(f"target_len must be a positive integer, got {self.target_len!r}. "
                               "HINT: pass --target-len N with N >= 1 (seq2seq models only)")
         if self.task is not None:
-            from llmem_plugin.tasks import Task
+            from llmem_plugin.models.tasks import Task
 
             object.__setattr__(self, "task", _choice(Task, self.task, "task", "--task").value)
         if self.grad_accum_steps > MAX_GRAD_ACCUM_STEPS:
@@ -565,7 +565,7 @@ class Workload:
             # of a QLoRA workload without them drops it); the CLI refuses --bnb-version alone.
             object.__setattr__(self, "bnb_version", None)
         elif not torchao:
-            from llmem_plugin.quant import resolve_bnb_version
+            from llmem_plugin.techniques.quant import resolve_bnb_version
 
             object.__setattr__(self, "bnb_version", resolve_bnb_version(self.bnb_version))
             if self.quantized_from is not None and self.quantized_from not in _QUANTIZED_FROM:
@@ -597,12 +597,12 @@ class Workload:
         if self.logits_to_keep > self.seq_len:
             raise ConfigError(f"logits_to_keep {self.logits_to_keep} exceeds seq_len {self.seq_len}. "
                               "HINT: pass --logits-to-keep N with N <= --seq-len, or 0 for all tokens")
-        from llmem_plugin.loading import check as check_load
+        from llmem_plugin.trace.loading import check as check_load
 
         check_load(self)
 
     def _check_torchao(self) -> None:
-        """What torchtune's QLoRA (torchao NF4, llmem_plugin.nf4) does not take, refused in one line."""
+        """What torchtune's QLoRA (torchao NF4, llmem_plugin.techniques.nf4) does not take, refused in one line."""
         given = [flag for flag, on in (
             ("--double-quant", self.double_quant),  # to_nf4 always quantizes its block scalers
             (f"--kbit-prepare {self.kbit_prepare}", self.kbit_prepare != "off"),

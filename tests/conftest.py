@@ -36,11 +36,11 @@ TINY_CONFIGS = {
 def room(gib: float) -> int:
     """A GPU memory size for tests that sit a budget near a fit: the CUDA
     context the estimator adds outside the allocator
-    (``llmem_plugin.overheads.CUDA_CONTEXT_BYTES``) plus ``gib`` GiB, so the
+    (``llmem_plugin.device.overheads.CUDA_CONTEXT_BYTES``) plus ``gib`` GiB, so the
     budget keeps its meaning when the context figure moves. (The planner's
     5% margin applies to the whole size, so the room below its limit is
     ``0.95 * room(gib) - context``.)"""
-    from llmem_plugin.overheads import CUDA_CONTEXT_BYTES
+    from llmem_plugin.device.overheads import CUDA_CONTEXT_BYTES
 
     return CUDA_CONTEXT_BYTES + int(gib * 2**30)
 

@@ -11,7 +11,7 @@ goes through: CUDA context creation, the first allocation, a bf16 cuBLAS
 matmul, SDPA forward and backward, an fp32 reduction and AdamW's foreach and
 fused kernels. At each stage it records NVML used, ``memory_reserved`` and
 their difference, which is what lies outside the allocator. The rows feed
-:mod:`llmem_plugin.overheads`' device figures.
+:mod:`llmem_plugin.device.overheads`' device figures.
 """
 
 from __future__ import annotations

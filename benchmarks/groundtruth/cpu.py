@@ -1,11 +1,11 @@
 """The CPU runner: a real training step of a tiny model, measured by the project's tracker.
 
 There is no caching allocator on the CPU, so the measurement is the tracker's
-(``llmem_plugin.step.trace_step`` on real tensors, as the real half of
-tests/core/test_fake_equals_real.py): ``allocated`` is the trace's peak of
+(``llmem_plugin.trace.step.trace_step`` on real tensors, as the real half of
+tests/trace/test_fake_equals_real.py): ``allocated`` is the trace's peak of
 live tensor bytes, rounded as the CUDA allocator rounds; ``reserved`` and
 the device total are null. ``trace_step`` always runs
-``llmem_plugin.step.NUM_ITERATIONS`` steps, so ``--steps`` does not apply.
+``llmem_plugin.trace.step.NUM_ITERATIONS`` steps, so ``--steps`` does not apply.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ RUNNER = "tracker-cpu"
 
 def _per_step_peaks(timeline) -> list[int]:
     """Running peak at the end of each step; a step ends where its optimizer phase does."""
-    from llmem_plugin.tracker import Phase
+    from llmem_plugin.trace.tracker import Phase
 
     peaks: list[int] = []
     running = 0
@@ -44,8 +44,8 @@ def run_case(case: Case) -> dict:
     """
     import torch
 
-    from llmem_plugin import modelbuild
-    from llmem_plugin.step import trace_step
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.trace.step import trace_step
 
     t0 = time.perf_counter()
     row = rows.new_row(case, device="cpu", runner=RUNNER, env=rows.environment())

@@ -3,15 +3,15 @@
 ``run.py`` starts one worker process per case, so the peak statistics, the
 allocator's cache and the CUDA context start clean and an OOM cannot poison
 later cases. The worker builds the model with
-``llmem_plugin.modelbuild.build_model(config, workload, device="cuda")`` --
+``llmem_plugin.models.modelbuild.build_model(config, workload, device="cuda")`` --
 the same function, so the same model, the estimator traces on meta -- with
 random weights (nothing is downloaded); where the estimator traces stand-ins
 (bitsandbytes, flash-attn, liger-kernel, TRL) the real libraries are used
 instead (:mod:`benchmarks.groundtruth.techniques`). It then runs ``steps``
 optimizer steps:
 
-* "torch": the loop ``llmem_plugin.step`` models, with the optimizer of
-  ``llmem_plugin.step.make_optimizer`` (bitsandbytes' own for its kinds).
+* "torch": the loop ``llmem_plugin.trace.step`` models, with the optimizer of
+  ``llmem_plugin.trace.step.make_optimizer`` (bitsandbytes' own for its kinds).
 * "hf-trainer": ``transformers.Trainer``. Mixed precision sets ``bf16=True`` /
   ``fp16=True`` over fp32 weights; pure bf16 loads the model in bf16 and sets
   neither (Trainer has no pure-bf16 switch).
@@ -41,7 +41,7 @@ from benchmarks.groundtruth.matrix import TRAINER_OPTIM, Case
 
 __all__ = ["run_case"]
 
-# HF Trainer's default learning rate (TrainingArguments.learning_rate), as llmem_plugin.step.
+# HF Trainer's default learning rate (TrainingArguments.learning_rate), as llmem_plugin.trace.step.
 _LR = 5e-5
 
 
@@ -153,7 +153,7 @@ def _vocab(model) -> int:
 
 
 def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = "cuda") -> None:
-    """The plain loop of ``llmem_plugin.step.trace_step``, for real, ``steps`` times.
+    """The plain loop of ``llmem_plugin.trace.step.trace_step``, for real, ``steps`` times.
 
     The optimizer, loss, activation offload and reference forward are the
     real libraries' (:mod:`benchmarks.groundtruth.techniques`), in the order
@@ -163,7 +163,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
     """
     import torch
 
-    from llmem_plugin.tasks import extra_inputs, make_labels
+    from llmem_plugin.models.tasks import extra_inputs, make_labels
 
     wl = case.workload
     optimizer = techniques.make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
@@ -172,8 +172,8 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
     vocab, dtype = _vocab(model), wl.precision.autocast_dtype
     gen = torch.Generator(device=device).manual_seed(0)
     lengths = [[wl.seq_len] * wl.grad_accum_steps] * steps
-    if case.seq_lens is not None:  # each micro-batch padded to its longest sample (llmem_plugin.varlen)
-        from llmem_plugin.varlen import parse_lengths, step_lengths
+    if case.seq_lens is not None:  # each micro-batch padded to its longest sample (llmem_plugin.techniques.varlen)
+        from llmem_plugin.techniques.varlen import parse_lengths, step_lengths
 
         lengths = step_lengths(parse_lengths(case.seq_lens), micro_batch_size=wl.micro_batch_size,
                                grad_accum_steps=wl.grad_accum_steps, max_len=wl.seq_len, steps=steps)
@@ -186,7 +186,7 @@ def _torch_loop(model, case: Case, steps: int, rec: _Recorder, *, device: str = 
         for micro in range(wl.grad_accum_steps):
             shape = (wl.micro_batch_size, lengths[step - 1][micro])
             input_ids = torch.randint(0, vocab, shape, device=device, generator=gen)
-            labels = make_labels(model, input_ids, wl).to(device)  # the task's labels (llmem_plugin.tasks)
+            labels = make_labels(model, input_ids, wl).to(device)  # the task's labels (llmem_plugin.models.tasks)
             extra = {k: v.to(device) for k, v in extra_inputs(model, input_ids, wl).items()}
             ref_logps = None
             if reference is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmem_plugin import catalog
+from llmem_plugin.models import catalog
 from llmem_plugin.workload import LoraSpec, Workload
 
 __all__ = ["CPU_CASES", "GPU_CASES", "PUBLISHED_CASES", "RUNNERS", "STUB_CASES", "TECHNIQUE_CASES", "Case", "case_config", "find", "uses_technique"]
@@ -48,15 +48,15 @@ class Case:
 
     Attributes:
         id: Unique, stable name; the ``id`` of the result row.
-        model: Catalog name (``llmem_plugin.catalog.names()``).
+        model: Catalog name (``llmem_plugin.models.catalog.names()``).
         workload: The training step.
-        runner: "torch" (the plain loop ``llmem_plugin.step`` models),
+        runner: "torch" (the plain loop ``llmem_plugin.trace.step`` models),
             "hf-trainer", or "tracker-cpu" (CPU cases).
         edge: Chosen near the capacity of an 80 GB GPU.
         expect: For edge cases: "fit", "oom" or "boundary" (within ~1 GiB).
         note: Why the case is in the matrix (for edge cases: the prediction).
         config_overrides: (key, value) pairs applied to the catalog config.
-        seq_lens: A sample-length distribution (``llmem_plugin.varlen``
+        seq_lens: A sample-length distribution (``llmem_plugin.techniques.varlen``
             spelling): each micro-batch is padded to its longest sample, so
             every step has its own length, up to ``workload.seq_len``.
     """
@@ -100,7 +100,7 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
     The config is rebuilt from the merged fields (rather than patched with
     setattr) so derived fields such as ``head_dim`` follow the overrides; a
     shorter layer count also cuts ``layer_types`` (as
-    ``llmem_plugin.modelbuild.set_num_layers`` does). ``llmem validate`` uses
+    ``llmem_plugin.models.modelbuild.set_num_layers`` does). ``llmem validate`` uses
     this with a row's ``model`` and ``config_overrides``.
     """
     return catalog.load_config(model, overrides)
@@ -356,7 +356,7 @@ STUB_CASES: list[Case] = [
     _gpu("llama-3.1-8b-bf16-s512-b1-sdpa"),
     _gpu("llama-3.1-8b-bf16-mixed-s2048-b1-lora-sdpa"),
     _case("qwen3-30b-a3b", "bf16", 1024, 2, lora=LORA, overrides=_QWEN3_MOE_SMALL, prefix="l4-"),
-    # Variable-length batches (llmem_plugin.varlen): every micro-batch padded to its longest sample, tiny
+    # Variable-length batches (llmem_plugin.techniques.varlen): every micro-batch padded to its longest sample, tiny
     # 4-layer models; run with --steps 60 or more (tests/stub/test_varlen.py).
     _case("llama-3.2-1b", "bf16-mixed", 512, 4, attn="eager", overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", seq_lens="16:512:120"),
@@ -415,14 +415,14 @@ _TINY = {
     "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "bos_token_id": 0, "eos_token_id": 0},
     "opt-125m": {"num_hidden_layers": 2, "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4,
                  "word_embed_proj_dim": 64, "vocab_size": 512},
-    # The other tasks (llmem_plugin.tasks): a sequence classifier and two seq2seq models.
+    # The other tasks (llmem_plugin.models.tasks): a sequence classifier and two seq2seq models.
     "distilbert-sst2": {"n_layers": 2, "dim": 64, "hidden_dim": 128, "n_heads": 4, "vocab_size": 512},
     "bert-base-uncased": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                           "vocab_size": 512},
     "roberta-base": {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                      "vocab_size": 512},
     "t5-base": {"num_layers": 2, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "vocab_size": 512},
-    # Llama 3.2 Vision's structure (as tests/core/test_tasks.py's tiny Mllama): 4 tiles of 56 px.
+    # Llama 3.2 Vision's structure (as tests/models/test_tasks.py's tiny Mllama): 4 tiles of 56 px.
     "llama-3.2-11b-vision": {
         "image_token_index": 500,
         "text_config": {"model_type": "mllama_text_model", **_tiny(head_dim=16), "num_hidden_layers": 4,

@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from benchmarks.groundtruth.matrix import Case
-from llmem_plugin.verify import (
+from llmem_plugin.verify.meter import (
     environment,  # the same environment record as the adapters' rows
 )
 

@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --device stub needs the stub CUDA device: {why}", file=sys.stderr)
             return EXIT_BAD_INPUT
     elif args.steps is not None:
-        print(f"warning: --steps {args.steps} ignored on the CPU: the tracker runs llmem_plugin.step.NUM_ITERATIONS "
+        print(f"warning: --steps {args.steps} ignored on the CPU: the tracker runs llmem_plugin.trace.step.NUM_ITERATIONS "
               "steps", file=sys.stderr)
     if args.device == "cuda":
         def run_one(case: Case) -> dict:

@@ -17,7 +17,7 @@ Two things differ from a GPU and are set here, in the worker only:
   nothing, and torch picks SDPA's cuDNN backend first for bf16/fp16 on sm90;
   ``torch.backends.cuda.enable_cudnn_sdp(False)`` makes torch choose among
   flash / efficient / math as the estimator then does
-  (``llmem_plugin/emulation/sdpa.py`` reads ``cudnn_sdp_enabled()``;
+  (``llmem_plugin/trace/emulation/sdpa.py`` reads ``cudnn_sdp_enabled()``;
   ``llmem validate`` predicts a stub row with the setting the row records).
 * **Device reads neutralised.** A value read from the device is 0, so host
   control flow that reads one can take a path a GPU would not. Each read site
@@ -60,7 +60,7 @@ from benchmarks.groundtruth.matrix import Case
 
 __all__ = ["STUB_GPU", "run_case", "worker_case"]
 
-# The GPU whose properties the stub reports (llmem_plugin/catalog/gpus.json);
+# The GPU whose properties the stub reports (llmem_plugin/models/catalog/gpus.json);
 # `llmem validate` predicts stub rows for the GPU the row names.
 STUB_GPU = "h100-sxm"
 _MODULE = "benchmarks.groundtruth.run"

@@ -107,7 +107,7 @@ def _stub_side_whole(case_id: str, steps: int, out: str) -> None:
 
 
 def replay_stub(case_id: str, *, steps: int = 2) -> dict[str, Any]:
-    """Replay the stub's own allocation stream through :mod:`llmem_plugin.allocator`.
+    """Replay the stub's own allocation stream through :mod:`llmem_plugin.device.allocator`.
 
     The stub process records every malloc and free of the case (model build,
     ``empty_cache`` at the peak reset, the steps); the simulated allocator
@@ -117,7 +117,7 @@ def replay_stub(case_id: str, *, steps: int = 2) -> dict[str, Any]:
     mean the allocator simulation is right for this stream, and any
     difference between the stub and the estimate lies in the event stream.
     """
-    from llmem_plugin.allocator import CachingAllocator
+    from llmem_plugin.device.allocator import CachingAllocator
 
     data = _stub_events("--stub-whole", case_id, steps)
     alloc = CachingAllocator(None)
@@ -162,10 +162,10 @@ def estimator_stream(case_id: str) -> tuple[list[tuple[int, int, int]], list[str
     import torch
 
     from benchmarks.groundtruth.run import select_cases
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.estimate import _trace, allocator_events, uses_cublaslt
-    from llmem_plugin.gpus import get_gpu
-    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.device.gpus import get_gpu
+    from llmem_plugin.device.overheads import device_overheads
 
     (case,) = select_cases("stub", [case_id])
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -174,7 +174,7 @@ def estimator_stream(case_id: str) -> tuple[list[tuple[int, int, int]], list[str
     overheads = device_overheads(gpu.compute_capability, torch_version="2.13.0", uses_cublaslt=uses_cublaslt(model))
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from llmem_plugin.tracker import MemoryTracker
+    from llmem_plugin.trace.tracker import MemoryTracker
 
     tracker = MemoryTracker()
     op_at: list[tuple[int, str]] = []  # (tracker event count after the op, op name)

@@ -8,7 +8,7 @@ The rank is one process on ``cuda:0`` with torch's fake process group
 (``FakeStore`` + ``init_process_group("fake")``): the real wrappers (DDP's
 Reducer, FSDP2, DTensor TP, ColossalAI's plugins) run their real CUDA code
 and the real caching allocator, and every collective returns at once with its
-output buffers as allocated. The step is ``llmem_plugin.step.trace_step``'s
+output buffers as allocated. The step is ``llmem_plugin.trace.step.trace_step``'s
 plain loop (two optimizer steps; per micro-batch inputs, forward with labels
 under the workload's autocast, backward outside it), and the peaks are read
 after each step from ``torch.cuda.max_memory_allocated`` / ``_reserved``,
@@ -102,7 +102,7 @@ class _Rank:
 
 # ------------------------------------------------------------------ methods
 def _single(spec, config, wl) -> _Rank:
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     model = modelbuild.build_model(config, wl, device="cuda")
     _reset()
@@ -112,7 +112,7 @@ def _single(spec, config, wl) -> _Rank:
 def _ddp(spec, config, wl) -> _Rank:
     import torch
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.methods.ddp import NoRebuild, bucket_passthrough
 
     model = modelbuild.build_model(config, wl, device="cuda")
@@ -133,7 +133,7 @@ def _ddp(spec, config, wl) -> _Rank:
 def _fsdp(spec, config, wl) -> _Rank:
     import torch
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.methods import fsdp
     from llmem_plugin.methods.layout import Layout
 
@@ -151,7 +151,7 @@ def _fsdp(spec, config, wl) -> _Rank:
 
 
 def _tp(spec, config, wl) -> _Rank:
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.methods import tp
     from llmem_plugin.methods.layout import Layout
 
@@ -174,8 +174,8 @@ def _colossal(spec, config, wl) -> _Rank:
     from colossalai.booster import Booster
     from colossalai.booster import plugin as plugins
 
-    from llmem_plugin import modelbuild
-    from llmem_plugin.step import make_optimizer
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.trace.step import make_optimizer
     from llmem_plugin.workload import Precision
 
     opts = dict(spec.get("options") or {})
@@ -214,8 +214,8 @@ _METHODS = {"single": _single, "ddp": _ddp, "fsdp": _fsdp, "tp": _tp, "lowlevel"
 def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     import torch
 
-    from llmem_plugin.step import make_optimizer
-    from llmem_plugin.tasks import extra_inputs, make_labels
+    from llmem_plugin.trace.step import make_optimizer
+    from llmem_plugin.models.tasks import extra_inputs, make_labels
 
     model = rank.model
     optimizer = rank.optimizer or make_optimizer([p for p in model.parameters() if p.requires_grad], wl.optimizer)
@@ -225,7 +225,7 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     for step in range(1, steps + 1):
         for _ in range(wl.grad_accum_steps):
             input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device="cuda", generator=gen)
-            labels = make_labels(model, input_ids, wl).to("cuda")  # the task's labels (llmem_plugin.tasks)
+            labels = make_labels(model, input_ids, wl).to("cuda")  # the task's labels (llmem_plugin.models.tasks)
             extra = {k: v.to("cuda") for k, v in extra_inputs(model, input_ids, wl).items()}
             ctx = torch.autocast("cuda", dtype=dtype) if dtype is not None else _null()
             with ctx:
@@ -369,7 +369,7 @@ _ADJUSTMENTS_BY_METHOD = {"ddp": ["ddp_verify", "ddp_comm_hook", "ddp_rebuild"]}
 def _environment() -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
-    from llmem_plugin.verify import environment
+    from llmem_plugin.verify.meter import environment
 
     props = torch.cuda.get_device_properties(0)
     gpu = {"name": torch.cuda.get_device_name(0), "memory_bytes": int(props.total_memory),

@@ -49,7 +49,7 @@ from llmem_plugin.workload import (
 
 __all__ = ["Skipped", "build_model", "forward_loss", "make_optimizer", "offload_factory", "reference_forward"]
 
-# HF Trainer's default learning rate (TrainingArguments.learning_rate), as llmem_plugin.step.
+# HF Trainer's default learning rate (TrainingArguments.learning_rate), as llmem_plugin.trace.step.
 _LR = 5e-5
 # torchtune CEWithChunkedOutputLoss(ignore_index=-100) (torchtune/modules/loss/ce_chunked_output_loss.py, 0.6.1);
 # also the ignore index of transformers' ForCausalLMLoss (transformers/loss/loss_utils.py).
@@ -86,7 +86,7 @@ def build_model(case, *, device: str):
     Raises:
         Skipped: A library the workload needs is not installed.
     """
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     wl = case.workload
     if wl.loss is LossImpl.LIGER:
@@ -138,7 +138,7 @@ def _build_torchao(case, *, device: str):
     from torch import nn
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     ao = _require("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "quantize nf4-torchao")
 
@@ -173,7 +173,7 @@ def _build_quantized(case, *, device: str):
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.pytorch_utils import Conv1D
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     wl = case.workload
     # The checkpoint's weights in the compute dtype (from_pretrained(dtype=bf16) in the QLoRA recipe);
@@ -234,7 +234,7 @@ def _prepare_kbit(model, wl: Workload):
         warnings.simplefilter("ignore")
         model = peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
     if spec.adapter_dtype == "base":  # adapters made in the model's dtype, as litgpt makes them
-        from llmem_plugin.modelbuild import adapters_to
+        from llmem_plugin.models.modelbuild import adapters_to
 
         adapters_to(model, wl.precision.param_dtype)
     model.train()
@@ -242,13 +242,13 @@ def _prepare_kbit(model, wl: Workload):
 
 
 def make_optimizer(params, kind: OptimizerKind):
-    """The real optimizer for ``kind``: bitsandbytes' for its kinds, else ``llmem_plugin.step``'s.
+    """The real optimizer for ``kind``: bitsandbytes' for its kinds, else ``llmem_plugin.trace.step``'s.
 
     Raises:
         Skipped: bitsandbytes is not installed.
     """
     if not kind.is_bitsandbytes:
-        from llmem_plugin.step import make_optimizer as torch_optimizer
+        from llmem_plugin.trace.step import make_optimizer as torch_optimizer
 
         return torch_optimizer(params, kind)
     bnb = _require("bitsandbytes", f"optimizer {kind.value}")

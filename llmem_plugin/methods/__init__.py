@@ -21,20 +21,22 @@ from typing import Any
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, RankMemory
 from llmem_plugin.methods.layout import Layout
 
 __all__ = ["Layout", "MethodEstimate", "RankMemory", "estimate_method", "extrapolated", "method_names"]
 
-# Method-family modules, in the order `--method all` reports them.
-_MODULES = ("single", "ddp", "zero", "fsdp", "tp", "colossal", "colossal_hybrid", "pp")
+# Method-family modules, in the order `--method all` reports them: the family's
+# name, and its module under llmem_plugin.methods (pipeline parallelism is a subpackage).
+_MODULES = {"single": "single", "ddp": "ddp", "zero": "zero", "fsdp": "fsdp", "tp": "tp", "colossal": "colossal",
+            "colossal_hybrid": "colossal_hybrid", "pp": "pp.method"}
 
 
 def _registry() -> dict[str, tuple[str, dict[str, Any]]]:
     out: dict[str, tuple[str, dict[str, Any]]] = {}
     for mod in _MODULES:
-        presets = importlib.import_module(f"llmem_plugin.methods.{mod}").PRESETS
+        presets = importlib.import_module(f"llmem_plugin.methods.{_MODULES[mod]}").PRESETS
         for name, settings in presets.items():
             assert name not in out, f"method {name} registered twice"
             out[name] = (mod, settings)
@@ -82,10 +84,10 @@ def estimate_method(
 
     check_supported(name, workload)
     if mod != "single":
-        from llmem_plugin.tasks import require_causal_lm
+        from llmem_plugin.models.tasks import require_causal_lm
 
         require_causal_lm(model, f"--method {name}", workload.task)
-    from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
+    from llmem_plugin.trace.step import MAX_TRACED_MICRO_STEPS
 
     if mod != "single" and workload.grad_accum_steps > MAX_TRACED_MICRO_STEPS:
         # The methods trace every micro-step; only the single-GPU estimate
@@ -94,7 +96,7 @@ def estimate_method(
             f"--method {name} traces every micro-step of the accumulation window, and grad_accum_steps "
             f"{workload.grad_accum_steps} is above {MAX_TRACED_MICRO_STEPS}. HINT: estimate it with --grad-accum "
             f"{MAX_TRACED_MICRO_STEPS} or fewer, or with --method single")
-    module = importlib.import_module(f"llmem_plugin.methods.{mod}")
+    module = importlib.import_module(f"llmem_plugin.methods.{_MODULES[mod]}")
     fn = module.estimate
     if not isinstance(gpu, GPU):
         from llmem_plugin.estimate import _resolve_gpu
@@ -105,7 +107,7 @@ def estimate_method(
         return fn(source, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, **{**settings, **options})
 
-    if mod == "pp":  # its fast mode shortens each stage, not the model (llmem_plugin.methods.pp)
+    if mod == "pp":  # its fast mode shortens each stage, not the model (llmem_plugin.methods.pp.method)
         return fn(model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,
                   preset=name, fast=fast and not isinstance(model, nn.Module), **{**settings, **options})
     if not fast and stream_synthesis and not isinstance(model, nn.Module) and hasattr(module, "synthesis_blocker"):
@@ -163,13 +165,13 @@ def _per_phase(d1: dict[str, int], d2: dict[str, int], scale: float) -> dict[str
 def _shortened(config: Any, min_layers: int) -> tuple[Any, Any, Any, str | None]:
     """The layer plan and the two shortened configs; (None, None, None, note)
     when the model itself is to run (the note says why, where it is worth saying)."""
-    from llmem_plugin import modelbuild
-    from llmem_plugin.fast import fallback_note
-    from llmem_plugin.layerkinds import layer_kinds, plan_layers, shortened_config
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.trace.fast import fallback_note
+    from llmem_plugin.models.layerkinds import layer_kinds, plan_layers, shortened_config
 
     depth = modelbuild.num_layers(config)
     # The same cut as the single-GPU fast mode: the model's own prefix and
-    # suffix around a and a + 1 repeating periods (llmem_plugin.layerkinds).
+    # suffix around a and a + 1 repeating periods (llmem_plugin.models.layerkinds).
     kinds, reason = layer_kinds(config)
     if kinds is None or len(kinds) != depth:
         return None, None, None, fallback_note(reason or f"the config lists {len(kinds or [])} layers, "
@@ -190,9 +192,9 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
                  min_layers: int = 2) -> MethodEstimate:
     """A method's estimate at full depth from runs on two shortened models.
 
-    As the single-GPU fast mode (:mod:`llmem_plugin.fast`), the model is cut
+    As the single-GPU fast mode (:mod:`llmem_plugin.trace.fast`), the model is cut
     to its prefix and suffix around ``a`` and ``a + 1`` repeating periods of
-    layer kinds (:mod:`llmem_plugin.layerkinds`: dense/expert, sliding/global,
+    layer kinds (:mod:`llmem_plugin.models.layerkinds`: dense/expert, sliding/global,
     hybrid blocks) and every per-rank quantity is taken as affine in the
     number of periods; where the kinds cannot be told apart the full model
     runs and a note says so. The shorter copy has at least ``min_layers`` (3 for DeepSpeed,
@@ -209,7 +211,7 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
     the longer run's worst rank, extrapolated with the same rank of the
     shorter run.
     """
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     config = modelbuild.resolve_config(model)
     plan, c1, c2, note = _shortened(config, min_layers)
@@ -265,7 +267,7 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
                 growing_buffers: bool = False) -> MethodEstimate | str:
     """A method's estimate at full depth with every rank's full event stream
     built from two shortened runs and replayed, as the single-GPU fast mode
-    builds its own (:mod:`llmem_plugin.fastsynth`, with its guard): the
+    builds its own (:mod:`llmem_plugin.trace.fastsynth`, with its guard): the
     allocated and reserved peaks are then those of the full trace, without
     tracing it. Breakdowns, host bytes and communication are affine, as in
     :func:`extrapolated` (a flat buffer's share of the breakdown within the
@@ -280,8 +282,8 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
         The estimate, or why the stream could not be built (the caller then
         traces the model in full).
     """
-    from llmem_plugin import modelbuild
-    from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
     from llmem_plugin.methods.base import capture, rank_memory
 
     config = modelbuild.resolve_config(model)

@@ -16,7 +16,7 @@ from torch import nn
 from llmem_plugin.methods._zero_buffers import Buffers
 from llmem_plugin.methods.colossal import ChunkPlan
 from llmem_plugin.methods.zero import ZeroCategory
-from llmem_plugin.tracker import MemoryCategory
+from llmem_plugin.trace.tracker import MemoryCategory
 from llmem_plugin.workload import OptimizerKind
 
 __all__ = ["Gemini", "LowLevelZero"]
@@ -178,7 +178,7 @@ class LowLevelZero:
         return (p.numel() + self.pad[id(p)]) // self.dp
 
     def setup(self) -> None:
-        from llmem_plugin.step import make_optimizer
+        from llmem_plugin.trace.step import make_optimizer
 
         b = self.b
         # LowLevelZeroModel: module.to(dtype).to(device).
@@ -247,7 +247,7 @@ class LowLevelZero:
     def step(self) -> None:
         """step(): fp32 slice grads, float64 norms, the optimizer, the
         16-bit all-gather through a TensorBucket; then zero_grad frees the store."""
-        from llmem_plugin.step import state_tensors
+        from llmem_plugin.trace.step import state_tensors
 
         b, dp, es = self.b, self.dp, self.b.plan.es
         grads32 = []

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from llmem_plugin import _pause
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker
+from llmem_plugin.trace import _pause
+from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker
 
 __all__ = ["Collective", "RankTracker", "StreamTracker", "local", "nbytes"]
 

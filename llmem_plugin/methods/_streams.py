@@ -16,7 +16,7 @@ stream and its reduce-scatter outputs on a reduce-scatter stream
 same code switches ``torch.cpu``'s current stream (torch/cpu/__init__.py
 ``StreamContext``), so :class:`~._rank_tracker.RankTracker` records each
 allocation's stream as it happens; this module replays each stream through
-its own :class:`~llmem_plugin.allocator.CachingAllocator` and sums them event
+its own :class:`~llmem_plugin.device.allocator.CachingAllocator` and sums them event
 by event.
 
 Known limitations:
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmem_plugin.allocator import AllocatorResult, CachingAllocator
-from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.overheads import DeviceOverheads
-from llmem_plugin.tracker import TraceResult
+from llmem_plugin.device.allocator import AllocatorResult, CachingAllocator
+from llmem_plugin.device.allocator_config import AllocatorConfig
+from llmem_plugin.device.overheads import DeviceOverheads
+from llmem_plugin.trace.tracker import TraceResult
 
 __all__ = ["replay_streams", "simulate_streams"]
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llmem_plugin.methods.zero import ZeroCategory, _Plan
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
+from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
 
 __all__ = ["Buffers", "Zero3", "Zero12", "breakdown"]
 
@@ -96,7 +96,7 @@ class Zero12:
         self.hooks: list[Any] = []
 
     def setup(self) -> None:
-        from llmem_plugin.step import make_optimizer
+        from llmem_plugin.trace.step import make_optimizer
 
         b, plan, es = self.b, self.plan, self.plan.es
         # engine._configure_distributed_model: the cast module moves to the GPU.
@@ -292,7 +292,7 @@ class Zero3:
 
     # ------------------------------------------------------------ setup
     def setup(self) -> None:
-        from llmem_plugin.step import make_optimizer
+        from llmem_plugin.trace.step import make_optimizer
 
         b, plan, cfg = self.b, self.plan, self.cfg
         P = MemoryCategory.PARAMETER

@@ -9,11 +9,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.allocator_config import AllocatorConfig
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.overheads import DeviceOverheads
-from llmem_plugin.tracker import MemoryTracker, TraceResult
+from llmem_plugin.device.overheads import DeviceOverheads
+from llmem_plugin.trace.tracker import MemoryTracker, TraceResult
 
 __all__ = ["Capture", "MethodEstimate", "ModelStateBytes", "RankMemory", "capture", "host_overheads", "new_tracker",
            "rank_memory"]
@@ -47,7 +47,7 @@ def new_tracker() -> MemoryTracker:
     """The tracker a method traces a rank with: a layer-tagging one inside
     :func:`capture` (the stream synthesis needs every event's layer)."""
     if _CAPTURE.get() is not None:
-        from llmem_plugin.layertags import LayerTaggingTracker
+        from llmem_plugin.trace.layertags import LayerTaggingTracker
 
         return LayerTaggingTracker()
     return MemoryTracker()
@@ -98,7 +98,7 @@ class RankMemory:
             states, pinned buffers, offloaded activations), at their sizes.
         host_overheads: Host RAM this rank's process needs besides:
             "process" (framework RSS and the CUDA context's host side,
-            :func:`llmem_plugin.host.process_baseline_bytes`) and
+            :func:`llmem_plugin.device.host.process_baseline_bytes`) and
             "pinned_rounding" (the caching host allocator's power-of-two
             rounding of pinned buffers).
         phase_allocated: Allocator's allocated peak within each training
@@ -191,7 +191,7 @@ class MethodEstimate:
 
 def host_overheads(pinned_rounding_bytes: int = 0) -> dict[str, int]:
     """A rank's host overheads (:attr:`RankMemory.host_overheads`)."""
-    from llmem_plugin.host import process_baseline_bytes
+    from llmem_plugin.device.host import process_baseline_bytes
 
     out = {"process": process_baseline_bytes()}
     if pinned_rounding_bytes:
@@ -219,13 +219,13 @@ def rank_memory(
         trace: The rank's trace (e.g. under a fake process group).
         rank: Its global rank.
         gpu: The GPU (capacity, architecture).
-        overheads: From :func:`llmem_plugin.overheads.device_overheads`, with
+        overheads: From :func:`llmem_plugin.device.overheads.device_overheads`, with
             this rank's NCCL communicators.
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` settings (defaults if None).
         extra_breakdown: Method-specific bytes at the peak to report.
         host_bytes: CPU RAM for offloaded states and pinned copies.
         host_pinned_rounding_bytes: What the caching host allocator adds to
-            the pinned ones (:func:`llmem_plugin.host.pinned_bytes`).
+            the pinned ones (:func:`llmem_plugin.device.host.pinned_bytes`).
         streams: Trace record index -> side-stream number of allocations a
             wrapper made off the default stream (``RankTracker.stream_of``):
             each stream is replayed with its own pools

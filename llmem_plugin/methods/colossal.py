@@ -90,10 +90,10 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
+from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = [
@@ -372,9 +372,9 @@ def _trace_rank(model: nn.Module, workload: Workload, *, make_emulator: Any, dty
     buffers, as :func:`llmem_plugin.methods.zero._trace_rank` runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.methods._zero_buffers import Buffers
-    from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
+    from llmem_plugin.trace.step import NUM_ITERATIONS, StepHooks, trace_step
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -427,7 +427,7 @@ def estimate(
     """Per-rank memory and communication of a ColossalAI plugin.
 
     Args:
-        model: Any model source :func:`llmem_plugin.modelbuild.build_model` takes.
+        model: Any model source :func:`llmem_plugin.models.modelbuild.build_model` takes.
         workload: The per-rank workload (micro batch, accumulation, LoRA, ...).
         layout: World size and nodes; ``tp`` must be 1.
         gpu: The GPU of every rank.
@@ -449,12 +449,12 @@ def estimate(
         UnsupportedError: LoRA, accumulation or a non-Adam optimizer with
             Gemini; a plugin argument that is not modelled.
     """
-    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import uses_cublaslt
     from llmem_plugin.methods._colossal_buffers import Gemini, LowLevelZero
     from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.methods.zero import split_comm
-    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.device.overheads import device_overheads
 
     if plugin not in ("gemini", "lowlevel") or (plugin == "lowlevel" and stage not in (1, 2)):
         raise ConfigError(f"unknown ColossalAI plugin {plugin!r} stage {stage!r}; valid: {', '.join(PRESETS)}")
@@ -499,7 +499,7 @@ def estimate(
     trace, buf, _ = _trace_rank(meta, workload, make_emulator=make, dtype=dtype, gpu=gpu, capacity=capacity)
     rounding = 0
     if states.host_bytes:
-        from llmem_plugin.host import pinned_bytes
+        from llmem_plugin.device.host import pinned_bytes
 
         # Each pinned shard copy is its own pinned allocation (Chunk.close_chunk:
         # torch.empty(shard_size, pin_memory=True)), rounded by the caching host allocator.

@@ -91,10 +91,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory, Phase, TraceResult
+from llmem_plugin.trace.tracker import MemoryCategory, Phase, TraceResult
 from llmem_plugin.workload import Precision, Workload
 
 __all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "estimate", "padded_vocab"]
@@ -303,7 +303,7 @@ class _AmpOptimizer:
 
     def setup(self) -> None:
         from llmem_plugin.methods.zero import ZeroCategory
-        from llmem_plugin.step import make_optimizer
+        from llmem_plugin.trace.step import make_optimizer
 
         if self.b.plan.es == 4:  # HybridParallelNaiveOptimizer: the params themselves
             self.master = self.trainable
@@ -320,7 +320,7 @@ class _AmpOptimizer:
 
     def step(self) -> None:
         from llmem_plugin.methods.zero import ZeroCategory
-        from llmem_plugin.step import state_tensors
+        from llmem_plugin.trace.step import state_tensors
 
         if self.master is not self.trainable:
             for p, m in zip(self.trainable, self.master, strict=True):
@@ -366,7 +366,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, layout: Layout, zero_st
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from llmem_plugin.emulation import cuda_emulation
+    from llmem_plugin.trace.emulation import cuda_emulation
     from llmem_plugin.methods._colossal_buffers import LowLevelZero
     from llmem_plugin.methods._fakepg import (
         fake_process_group,
@@ -377,7 +377,7 @@ def _trace_rank(model: nn.Module, workload: Workload, *, layout: Layout, zero_st
     from llmem_plugin.methods.colossal import bucket_elems, unique_params
     from llmem_plugin.methods.ddp import no_data_reads
     from llmem_plugin.methods.tp import fakeify_sharded
-    from llmem_plugin.step import NUM_ITERATIONS, host_resident_state
+    from llmem_plugin.trace.step import NUM_ITERATIONS, host_resident_state
 
     vocab = int(model.config.vocab_size)
     padded = padded_vocab(vocab, layout.tp, options.get("make_vocab_size_divisible_by", 64))
@@ -503,7 +503,7 @@ def estimate(
     """Per-rank memory and communication of HybridParallelPlugin(tp_size=layout.tp, pp_size=1).
 
     Args:
-        model: A source :func:`llmem_plugin.modelbuild.build_model` accepts.
+        model: A source :func:`llmem_plugin.models.modelbuild.build_model` accepts.
         workload: The per-rank micro-batch (TP ranks share it).
         layout: ``tp`` >= 2 inside a node; ``dp = num_gpus / tp``.
         gpu: The GPU of every rank.
@@ -528,14 +528,14 @@ def estimate(
             plugin argument.
         TraceError: The step could not be traced.
     """
-    from llmem_plugin import modelbuild
-    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.models import modelbuild
+    from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.errors import LLMemError, TraceError
     from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.methods.ddp import ring_allreduce_bytes
     from llmem_plugin.methods.tp import comm_bytes
     from llmem_plugin.methods.zero import build_training_model
-    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.device.overheads import device_overheads
 
     config = getattr(model, "config", None) if isinstance(model, nn.Module) else modelbuild.resolve_config(model)
     _check(config, workload, layout=layout, preset=preset, zero_stage=zero_stage, options=options)

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import Workload
@@ -169,11 +169,11 @@ def estimate(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.estimate import uses_cublaslt, vocab_size_of
     from llmem_plugin.methods._fakepg import fake_process_group
-    from llmem_plugin.overheads import device_overheads
-    from llmem_plugin.step import trace_step
+    from llmem_plugin.device.overheads import device_overheads
+    from llmem_plugin.trace.step import trace_step
 
     if layout.tp != 1:
         raise ConfigError(f"--method {preset} replicates the whole model; got --tp {layout.tp}. HINT: use --tp 1 "
@@ -189,8 +189,8 @@ def estimate(
     tracker = reference = None
     if workload.reference_model:
         # TRL prepares the reference with evaluation_mode=True: not DDP-wrapped.
-        from llmem_plugin.reference import build_reference
-        from llmem_plugin.tracker import MemoryTracker
+        from llmem_plugin.techniques.reference import build_reference
+        from llmem_plugin.trace.tracker import MemoryTracker
 
         tracker = MemoryTracker()
         reference = build_reference(net, workload, tracker=tracker, fake_mode=fake_mode)
@@ -202,7 +202,7 @@ def estimate(
                            reference=reference)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
                                  nccl_world_sizes=(layout.num_gpus,))
-    # Pinned host copies of offloaded activations (llmem_plugin.actoffload).
+    # Pinned host copies of offloaded activations (llmem_plugin.techniques.actoffload).
     host = trace.host_peak_bytes if workload.offload_activations is not None else 0
     rank = rank_memory(trace, rank=0, gpu=gpu, overheads=overheads, alloc_conf=config, host_bytes=host)
     sent = workload.grad_accum_steps * ring_allreduce_bytes(grad_bytes, layout.num_gpus)

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin import modelbuild
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.models import modelbuild
+from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
-from llmem_plugin.gpus import GPU, get_gpu
+from llmem_plugin.device.gpus import GPU, get_gpu
 from llmem_plugin.methods._fakepg import (
     fake_process_group,
     isolated_sharding_propagation,
@@ -51,9 +51,9 @@ from llmem_plugin.methods._local_step import LocalShardStep
 from llmem_plugin.methods._rank_tracker import RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.overheads import device_overheads
-from llmem_plugin.step import StepHooks, state_tensors, trace_step
-from llmem_plugin.tracker import MemoryCategory, TraceResult
+from llmem_plugin.device.overheads import device_overheads
+from llmem_plugin.trace.step import StepHooks, state_tensors, trace_step
+from llmem_plugin.trace.tracker import MemoryCategory, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 __all__ = ["PRESETS", "estimate", "fsdp_instrumented"]
@@ -87,7 +87,7 @@ def estimate(
     """Per-rank memory and communication of FSDP2 training on ``layout``.
 
     Args:
-        model: Model source, as :func:`llmem_plugin.modelbuild.build_model` takes.
+        model: Model source, as :func:`llmem_plugin.models.modelbuild.build_model` takes.
         workload: The per-rank workload (micro-batch per GPU).
         layout: The cluster; ``tp`` must be 1.
         gpu: Catalog GPU (name or :class:`GPU`).
@@ -412,7 +412,7 @@ def _trace_fsdp_step(
     pinned: dict[str, int] | None = None,
 ) -> tuple[TraceResult, int]:
     """Trace ``NUM_ITERATIONS`` steps of an FSDP2-wrapped model:
-    :func:`llmem_plugin.step.trace_step` with a :class:`RankTracker` (the
+    :func:`llmem_plugin.trace.step.trace_step` with a :class:`RankTracker` (the
     plain tracker would count DTensors at their global size and miss FSDP2's
     in-place storage resizes) and FSDP2's instrumentation. Mixed precision is
     FSDP2's policy, so there is no autocast region.
@@ -468,7 +468,7 @@ def _host_bytes(params: list[torch.Tensor], trainable: list[torch.Tensor], state
 
 def _pinned_rounding(params: list[torch.Tensor], trainable: list[torch.Tensor]) -> int:
     """Bytes the caching host allocator adds to FSDP2's pinned host tensors
-    (:func:`llmem_plugin.host.pinned_bytes`). ``CPUOffloadPolicy(pin_memory=True)``
+    (:func:`llmem_plugin.device.host.pinned_bytes`). ``CPUOffloadPolicy(pin_memory=True)``
     (its default) pins each padded parameter shard
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``:
     ``padded_sharded_param.pin_memory()``) and copies each sharded gradient to
@@ -476,7 +476,7 @@ def _pinned_rounding(params: list[torch.Tensor], trainable: list[torch.Tensor]) 
     (_fsdp_collectives.py ``foreach_reduce``). Optimizer states
     (``zeros_like`` on the host) are pageable. The trace runs with
     ``pin_memory=False`` (a CPU-only torch cannot pin), so this is added."""
-    from llmem_plugin.host import pinned_bytes
+    from llmem_plugin.device.host import pinned_bytes
 
     sizes = [local(p).untyped_storage().nbytes() for p in params]
     sizes += [local(p.grad).numel() * p.grad.element_size() for p in trainable if p.grad is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, RankMemory, host_overheads
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import Workload
@@ -39,7 +39,7 @@ def estimate(
         device_total_bytes=est.device_total_bytes,
         fits=est.fits,
         breakdown={c.value: v for c, v in est.breakdown.items()},
-        # Pinned host copies of offloaded activations (llmem_plugin.actoffload), as ddp counts them.
+        # Pinned host copies of offloaded activations (llmem_plugin.techniques.actoffload), as ddp counts them.
         host_bytes=est.host_peak_bytes if workload.offload_activations is not None else 0,
         host_overheads=host_overheads(),
     )

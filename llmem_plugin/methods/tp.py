@@ -83,10 +83,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin import modelbuild
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.models import modelbuild
+from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import GPU, get_gpu
+from llmem_plugin.device.gpus import GPU, get_gpu
 from llmem_plugin.methods._fakepg import (
     fake_process_group,
     isolated_sharding_propagation,
@@ -95,9 +95,9 @@ from llmem_plugin.methods._local_step import LocalShardStep
 from llmem_plugin.methods._rank_tracker import Collective, RankTracker, local
 from llmem_plugin.methods.base import MethodEstimate, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.overheads import device_overheads
-from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
-from llmem_plugin.tracker import TraceResult
+from llmem_plugin.device.overheads import device_overheads
+from llmem_plugin.trace.step import NUM_ITERATIONS, StepHooks, trace_step
+from llmem_plugin.trace.tracker import TraceResult
 from llmem_plugin.workload import Workload
 
 __all__ = ["PRESETS", "SUPPORTED_MODEL_TYPES", "comm_bytes", "estimate", "fakeify_sharded", "tp_plan"]
@@ -307,7 +307,7 @@ def _trace_rank(
     model: nn.Module, workload: Workload, *, vocab_size: int, fake_mode: Any, gpu: GPU, grad_sync: bool = False,
     streams: dict[int, int] | None = None,
 ) -> tuple[TraceResult, list[Collective]]:
-    """:func:`llmem_plugin.step.trace_step` with a :class:`RankTracker`,
+    """:func:`llmem_plugin.trace.step.trace_step` with a :class:`RankTracker`,
     logging the collectives of the last optimizer step.
 
     Args:
@@ -516,7 +516,7 @@ def estimate(
     """Per-rank memory of a TP (or 2-D dp x TP) fine-tuning step.
 
     Args:
-        model: A source :func:`llmem_plugin.modelbuild.build_model` accepts.
+        model: A source :func:`llmem_plugin.models.modelbuild.build_model` accepts.
         workload: The step each rank runs (its micro-batch; TP ranks share it).
         layout: ``tp`` GPUs per TP group inside a node; ``dp = num_gpus / tp``.
         gpu: Catalog GPU (name or :class:`GPU`); the default GPU if None.

@@ -84,10 +84,10 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import GPU
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, new_tracker, rank_memory
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory, MemoryTracker, TraceResult
+from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
 if TYPE_CHECKING:
@@ -430,7 +430,7 @@ def _states(plan: _Plan, grad_accum_steps: int = 1) -> ZeroModelStates:
 
 def _pinned_rounding(plan: _Plan, grad_accum_steps: int = 1) -> int:
     """Bytes the caching host allocator adds to DeepSpeed's pinned offload
-    buffers (:func:`llmem_plugin.host.pinned_bytes`), with
+    buffers (:func:`llmem_plugin.device.host.pinned_bytes`), with
     ``offload_optimizer.pin_memory`` at its default, True
     (runtime/zero/offload_config.py); 0 without offload. DeepSpeed pins
     through ``get_accelerator().pin_memory`` = ``tensor.pin_memory()``
@@ -447,7 +447,7 @@ def _pinned_rounding(plan: _Plan, grad_accum_steps: int = 1) -> int:
       group's 16-bit flat buffer (``_create_param_groups_fp16_flat_cpu_memory``)
       and each frozen param's partition.
     """
-    from llmem_plugin.host import pinned_bytes
+    from llmem_plugin.device.host import pinned_bytes
 
     if not plan.cfg.offload_optimizer:
         return 0
@@ -486,7 +486,7 @@ def _training_dtype(workload: Workload, config: dict[str, Any] | None) -> torch.
 def build_training_model(model: Any, workload: Workload, dtype: torch.dtype) -> nn.Module:
     """The meta model in DeepSpeed's dtype: params cast, buffers kept
     ("Cast params only; preserve fp32 buffers", engine.py)."""
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     # fp16 is traced in bf16: same element size, and CPU kernels favour bf16.
     precision = Precision.FP32 if dtype == torch.float32 else Precision.BF16
@@ -529,9 +529,9 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     buffers, as step.trace_step runs them; ``plan_args`` go to :func:`_plan`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.methods._zero_buffers import Buffers, Zero3, Zero12
-    from llmem_plugin.step import NUM_ITERATIONS, StepHooks, trace_step
+    from llmem_plugin.trace.step import NUM_ITERATIONS, StepHooks, trace_step
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -663,7 +663,7 @@ def synthesis_blocker(model: Any, workload: Workload, *, layout: Layout, stage: 
     if stage != 3:
         return (f"ZeRO-{stage} pads each flattened group to a multiple of 2 x dp elements and flattens it on the "
                 "device only where it fits (not affine in depth)")
-    from llmem_plugin.layertags import decoder_layers
+    from llmem_plugin.trace.layertags import decoder_layers
 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
     plan = _plan(meta, cfg=cfg, dp=layout.dp, rank=0, dtype=dtype, optimizer=kind)
@@ -702,7 +702,7 @@ def estimate(
     """Per-rank memory and communication of DeepSpeed ZeRO ``stage``.
 
     Args:
-        model: Any model source :func:`llmem_plugin.modelbuild.build_model` takes.
+        model: Any model source :func:`llmem_plugin.models.modelbuild.build_model` takes.
         workload: The per-rank workload (micro batch, accumulation, LoRA, ...).
         layout: World size and nodes; ``tp`` must be 1.
         gpu: The GPU of every rank.
@@ -719,10 +719,10 @@ def estimate(
         ConfigError: tp != 1, a config contradicting the method or precision.
         UnsupportedError: An option or optimizer that is not modelled.
     """
-    from llmem_plugin.allocator_config import AllocatorConfig
+    from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import uses_cublaslt
     from llmem_plugin.methods._zero_buffers import breakdown
-    from llmem_plugin.overheads import device_overheads
+    from llmem_plugin.device.overheads import device_overheads
 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
     conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)

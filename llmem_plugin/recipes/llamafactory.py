@@ -138,7 +138,7 @@ def read(raw: dict[str, Any], path: str) -> Recipe:
 
 def _checkpoint_dtype(model: str) -> str | None:
     """The checkpoint's dtype (config.json ``torch_dtype``/``dtype``), from the catalog or a local config."""
-    from llmem_plugin import catalog
+    from llmem_plugin.models import catalog
 
     name = catalog.lookup(model)
     if name is not None:

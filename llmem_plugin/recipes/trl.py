@@ -7,7 +7,7 @@ cli/commands/training.py). Paths below are in the 1.16.0 wheel. Memory rules
 read from it:
 
 - the loss is the fused LM head (``add_fused_lm_head``, sft_trainer.py):
-  ``--loss trl-fused`` (:mod:`llmem_plugin.trl_head`), unless
+  ``--loss trl-fused`` (:mod:`llmem_plugin.techniques.trl_head`), unless
   ``label_smoothing_factor`` or a custom loss needs the full logits;
 - ``dtype`` defaults to float32 (trainer/model_config.py), ``bf16`` to true
   and ``gradient_checkpointing`` to true (trainer/base_config.py): fp32 weights
@@ -30,7 +30,7 @@ is refused. DPOTrainer (trainer/dpo_trainer.py) concatenates each pair's
 chosen and rejected rows (``--batch-size`` is twice ``per_device_train_batch_size``),
 scores them with the fused head, and scores them again with the reference under
 no_grad: with ``use_peft`` the policy with its adapters disabled, otherwise a
-copy loaded in the policy's dtype (``--reference-model``, :mod:`llmem_plugin.reference`).
+copy loaded in the policy's dtype (``--reference-model``, :mod:`llmem_plugin.techniques.reference`).
 ``disable_dropout`` (default true) zeroes every dropout, LoRA's included.
 """
 
@@ -254,7 +254,7 @@ def _batch(r: Reader, dpo: bool = False) -> None:
 
 def _dpo(r: Reader) -> None:
     """DPOConfig's own keys: the reference forward, and what the step does not model."""
-    from llmem_plugin.trl_head import DPO_REFUSED
+    from llmem_plugin.techniques.trl_head import DPO_REFUSED
 
     for key, why in DPO_REFUSED.items():
         if r.get(key, False, kind=bool):
@@ -305,7 +305,7 @@ def _peft(r: Reader, model: str, weights: str, quantized: bool, no_dropout: bool
 
 
 def _default_targets(r: Reader, model: str | None) -> str:
-    from llmem_plugin import catalog
+    from llmem_plugin.models import catalog
 
     name = catalog.lookup(model) if model else None
     kind = catalog.config_dict(name).get("model_type") if name else None

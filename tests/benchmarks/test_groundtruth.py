@@ -16,8 +16,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks.groundtruth import cuda, rows, run
 from benchmarks.groundtruth.matrix import CPU_CASES, GPU_CASES, Case, find
-from llmem_plugin import catalog, modelbuild
-from llmem_plugin.step import trace_step
+from llmem_plugin.models import catalog
+from llmem_plugin.models import modelbuild
+from llmem_plugin.trace.step import trace_step
 from llmem_plugin.workload import LoraSpec, Workload
 
 CPU_IDS = [

@@ -310,7 +310,7 @@ def _baseline(wl: Workload) -> Workload:
 
 
 def test_technique_cases_cover_each_setting():
-    from llmem_plugin import catalog
+    from llmem_plugin.models import catalog
 
     by = {(c.model, c.workload.quantize and c.workload.quantize.value, c.workload.grad_checkpointing): c
           for c in TECHNIQUE_CASES}

@@ -1,6 +1,6 @@
 """Run the CLI in-process and capture what it prints."""
 
-from llmem_plugin.cli import main
+from llmem_plugin.cli.app import main
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from llmem_plugin import catalog
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.models import catalog
+from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
 
 from ._run import run
 
@@ -133,7 +133,7 @@ def test_console_script_offline():
     """The installed `llmem` entry point works in a fresh process with the Hub unreachable."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     exe = os.path.join(os.path.dirname(sys.executable), "llmem")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmem_plugin.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmem_plugin.cli.app"]
     proc = subprocess.run(cmd + ["estimate", "--model", "llama-3.2-1b", "--seq-len", "128", "--fast", "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -148,12 +148,12 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
 
 def _llmem():
     exe = os.path.join(os.path.dirname(sys.executable), "llmem")
-    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmem_plugin.cli"]
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "llmem_plugin.cli.app"]
 
 
 def test_help_and_bad_options_do_not_import_torch():
     # Help and option errors are answered before torch loads (it takes seconds).
-    code = ("import sys; from llmem_plugin.cli import main; "
+    code = ("import sys; from llmem_plugin.cli.app import main; "
             "codes = [main(['--help']), main(['estimate', '--help']), main(['plan', '--help']), "
             "main(['estimate', '--model', 'gpt2', '--seq-len', 'x']), main(['estimate', '--model', 'gpt2', "
             "'--gpus', '99999999999999999999'])]; print(codes, 'torch' in sys.modules)")
@@ -191,7 +191,7 @@ def test_every_flag_a_message_names_exists():
     import tokenize
 
     import llmem_plugin
-    from llmem_plugin.cli import build_parser
+    from llmem_plugin.cli.app import build_parser
 
     parser = build_parser()
     options = set(parser._option_string_actions)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from llmem_plugin.cli import EXIT_BAD_INPUT
-from llmem_plugin.gpus import gpu_names
+from llmem_plugin.cli.app import EXIT_BAD_INPUT
+from llmem_plugin.device.gpus import gpu_names
 
 from ._run import run
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
-from llmem_plugin.step import MAX_TRACED_MICRO_STEPS
+from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.trace.step import MAX_TRACED_MICRO_STEPS
 
 from ._run import run
 

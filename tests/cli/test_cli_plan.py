@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from llmem_plugin.cli import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
 
 from ._run import run
 
@@ -15,7 +15,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 CANDIDATE_KEYS = ("method", "tp", "micro_batch", "grad_checkpointing", "offload", "fits", "device_total_bytes",
                   "step_time_s", "tokens_per_s")
 
-from ..conftest import room
+from tests.conftest import room
 
 
 def _mib(gib: float) -> str:
@@ -97,7 +97,7 @@ def test_estimate_plot_draws_each_rank_of_a_pipeline(capsys, tmp_path, monkeypat
     """One bar per pipeline rank (TP inside the stages), the worst framed: the picture's data is each rank's
     own numbers. The notes quote torchtitan's TOML sections as written ("[parallelism]" is not markup)."""
     import llmem_plugin.methods as methods
-    import llmem_plugin.plot as plot
+    import llmem_plugin.cli.plot as plot
 
     drawn, made = {}, []
     real_plot, real_estimate = plot.plot_plan, methods.estimate_method
@@ -132,7 +132,7 @@ def test_estimate_plot_draws_the_step(capsys, model, tmp_path):
     code, _, err = run(capsys, "estimate", "--model", model, "--seq-len", "256", "--plot", str(png))
     assert code == 0, err
     assert png.read_bytes()[:8] == PNG
-    # Fast mode replays the full step's event stream (llmem_plugin.fastsynth): it has the timeline too.
+    # Fast mode replays the full step's event stream (llmem_plugin.trace.fastsynth): it has the timeline too.
     png.unlink()
     code, _, err = run(capsys, "estimate", "--model", model, "--seq-len", "256", "--fast", "--plot", str(png))
     assert code == 0, err

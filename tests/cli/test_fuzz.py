@@ -1,6 +1,6 @@
 """A fixed corpus of bad and odd ``llmem`` invocations, run in-process.
 
-Every case runs through :func:`llmem_plugin.cli.main` and must end with its
+Every case runs through :func:`llmem_plugin.cli.app.main` and must end with its
 expected exit code, never with a traceback: bad input exits 2 with one line
 on stderr that ends with a HINT (and names the value where the case says
 which), before anything is traced. Each case must finish within
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from llmem_plugin import cli
+from llmem_plugin.cli import app as cli
 
 _CASE_LIMIT_S = 20  # refused input takes milliseconds; the tiny model's trace a few seconds
 
@@ -238,7 +238,7 @@ def _contradiction_cases():
         _case([*E, "--lora-rank", "4", "--lora-targets", "layers"], expect="ModuleList"),
         _case([*E, "--logits-to-keep", "100"], expect="logits_to_keep"),
         _case([*E, "--sequence-parallel"], expect="--sequence-parallel"),
-        # Tasks (llmem_plugin.tasks): a bad name, a task the model type has no class for, options of another task.
+        # Tasks (llmem_plugin.models.tasks): a bad name, a task the model type has no class for, options of another task.
         _case([*E, "--task", "classification"], expect="classification"),
         _case([*E, "--task", ""], expect="task"),
         _case([*E, "--task", "seq2seq"], expect="seq2seq"),

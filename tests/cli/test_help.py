@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmem_plugin.cli import main
+from llmem_plugin.cli.app import main
 
 
 def _sections(text: str) -> dict[str, str]:

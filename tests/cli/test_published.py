@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from llmem_plugin import catalog
-from llmem_plugin.cli import main
+from llmem_plugin.models import catalog
+from llmem_plugin.cli.app import main
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.published import METRICS, check_published, default_path, load_published, validate_published
+from llmem_plugin.verify.published import METRICS, check_published, default_path, load_published, validate_published
 
 _UNIT = {"GB": 10**9, "GiB": 2**30, "MiB": 2**20}
 
@@ -73,7 +73,7 @@ def test_a_row_with_a_lengths_file_replays_a_run_of_those_lengths(tmp_path):
     path.write_text(json.dumps({**fixed, "seq_lens": "lengths/one.txt"}) + "\n")
     row = load_published(path)[0]
     assert row["seq_lens"] == str(tmp_path / "lengths" / "one.txt")  # resolved beside the set
-    # Every batch the same length: the run replays as the fixed-shape estimate (tests/core/test_varlen.py).
+    # Every batch the same length: the run replays as the fixed-shape estimate (tests/techniques/test_varlen.py).
     assert check_published(row).predicted == check_published(fixed).predicted
     # Batches of 128 of the 512 tokens a sample may hold: the activations of 128-token steps.
     (tmp_path / "lengths" / "short.txt").write_text("128\n")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmem_plugin import catalog
-from llmem_plugin.tasks import Task, config_task
+from llmem_plugin.models import catalog
+from llmem_plugin.models.tasks import Task, config_task
 
 DOC = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
 

@@ -16,11 +16,11 @@ from llmem_plugin.integrations import colossalai as adapter
 
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.planner import planner_methods
+from llmem_plugin.planner.search import planner_methods
 from llmem_plugin.workload import Precision
 
-from ..conftest import tiny_config
-from ..methods._gloo import REPO, run_gloo
+from tests.conftest import tiny_config
+from tests.methods._gloo import REPO, run_gloo
 
 INSTALL = "pip install --no-deps colossalai==0.5.0 galore_torch==1.0 bitsandbytes==0.50.2"
 

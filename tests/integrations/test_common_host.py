@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import transformers
 
-from llmem_plugin import host
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device import host
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.integrations._common import check, live_model
 from llmem_plugin.workload import Workload
 

@@ -18,11 +18,11 @@ from llmem_plugin.integrations.deepspeed import optimizer_section, to_deepspeed_
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.planner import plan
-from llmem_plugin.step import make_optimizer
+from llmem_plugin.planner.search import plan
+from llmem_plugin.trace.step import make_optimizer
 from llmem_plugin.workload import OptimizerKind
 
-from ..planner.test_planner import WL, small
+from tests.planner.test_planner import WL, small
 
 DP = 4
 

@@ -3,7 +3,7 @@
 The callback checks the job on the live model before its first forward, and
 after the first steps compares the estimate with the real run, measured by
 the project's tracker on real tensors under the CUDA emulation
-(:mod:`llmem_plugin.verify`).
+(:mod:`llmem_plugin.verify.meter`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from transformers import Trainer, TrainingArguments
 
 from llmem_plugin.errors import ConfigError, WontFitError
 from llmem_plugin.integrations.hf import LLMemCallback, autoconfigure, job_of
-from llmem_plugin.tracker import round_allocation
-from llmem_plugin.validate import load_rows, validate_rows
+from llmem_plugin.trace.tracker import round_allocation
+from llmem_plugin.verify.validate import load_rows, validate_rows
 from llmem_plugin.workload import Workload
 
-from ..conftest import room, tiny_config
+from tests.conftest import room, tiny_config
 
 SEQ, BATCH = 64, 2
 
@@ -272,7 +272,7 @@ class _Classes(_Tokens):
 
 
 class _ImagesAndText(_Tokens):
-    """Mllama's processor output for one 56 px image at its 4 tiles (tests/core/test_tasks.py's tiny config)."""
+    """Mllama's processor output for one 56 px image at its 4 tiles (tests/models/test_tasks.py's tiny config)."""
 
     def __getitem__(self, i: int) -> dict:
         ids = torch.randint(0, self.vocab, (SEQ,), generator=torch.Generator().manual_seed(i))
@@ -292,7 +292,7 @@ def test_seq2seq_and_classifier_are_checked_as_their_task(tmp_path, kind):
                                     decoder_start_token_id=0, pad_token_id=0)
         model, data = transformers.T5ForConditionalGeneration(cfg), _Seq2SeqTokens(cfg.vocab_size)
     elif kind == "mllama":
-        from ..core.test_tasks import _mllama
+        from tests.models.test_tasks import _mllama
 
         cfg = _mllama()
         model, data = transformers.MllamaForConditionalGeneration(cfg), _ImagesAndText(cfg.text_config.vocab_size)
@@ -326,7 +326,7 @@ def test_seq2seq_and_classifier_are_checked_as_their_task(tmp_path, kind):
 
 
 def test_op_level_checkpointing_is_read_from_the_trainer_and_checked_against_the_run(tmp_path):
-    from llmem_plugin.checkpointing import parse_save_ops
+    from llmem_plugin.techniques.checkpointing import parse_save_ops
 
     cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=2)
     kwargs = {"use_reentrant": False, "context_fn": parse_save_ops("torchtitan").context_fn()}
@@ -358,7 +358,7 @@ def test_a_live_qlora_model_is_checked_as_its_quantization(tmp_path):
     CPU): the callback reads nf4, double quantization and the skipped k-bit
     preparation from the quant states and checks the job before it trains."""
     pytest.importorskip("bitsandbytes")
-    from ..core.test_quant import _live_qlora
+    from tests.techniques.test_quant import _live_qlora
 
     _, model = _live_qlora(prepare=False, double_quant=True)
     cb = LLMemCallback(gpu="h100-sxm", compare_after_steps=0)

@@ -26,8 +26,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from llmem_plugin.tracker import round_allocation
-from llmem_plugin.validate import load_rows
+from llmem_plugin.trace.tracker import round_allocation
+from llmem_plugin.verify.validate import load_rows
 
 # One worker builds this module's module-scoped fixtures once (pyproject.toml: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("hf-distributed")
@@ -143,7 +143,7 @@ def test_llmem_validate_repredicts_the_ranks_rows(ddp):
     # Re-predicted from the row's config dict and method alone (no live
     # model): the same number the callback predicted on the live model.
     results, jsonl = ddp
-    proc = subprocess.run([sys.executable, "-m", "llmem_plugin.cli", "validate", str(jsonl), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "llmem_plugin.cli.app", "validate", str(jsonl), "--json"],
                           check=False, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

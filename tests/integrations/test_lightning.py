@@ -26,10 +26,10 @@ from llmem_plugin.integrations.lightning import (
 )
 
 from llmem_plugin.errors import WontFitError
-from llmem_plugin.planner import plan
+from llmem_plugin.planner.search import plan
 from llmem_plugin.workload import Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "lightning_fit.py")
@@ -334,7 +334,7 @@ def test_two_cpu_ranks_by_name_pick_ddp_and_lightnings_loop_keeps_gradients(tmp_
     assert 0 < predicted - plain <= grads, (predicted, plain, grads)
     # Two storages the CPU meter counts that the estimate leaves out, by
     # their layout (each rounded up to the allocator's 512 B block,
-    # llmem_plugin.tracker.round_allocation):
+    # llmem_plugin.trace.tracker.round_allocation):
     # * the Dataset's whole token tensor, seen when __getitem__ takes a row
     #   view of it (examples/lightning_fit.py, RandomTokens: int64); a CUDA
     #   run keeps it in host memory and moves only the collated batch;

@@ -9,7 +9,7 @@ import transformers
 
 from llmem_plugin.integrations._common import live_model
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 
 @pytest.mark.parametrize("autocast", [True, False])

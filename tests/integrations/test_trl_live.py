@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from ..recipes.conftest import run_probe
+from tests.recipes.conftest import run_probe
 
 
 def _within_1pct(out: dict) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from llmem_plugin import _pause
+from llmem_plugin.trace import _pause
 
 
 class GlooAllGather(DefaultAllGather):

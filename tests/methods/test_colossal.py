@@ -23,14 +23,14 @@ from collections import defaultdict
 import pytest
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import colossal
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.methods.zero import ZeroCategory
-from llmem_plugin.tracker import MemoryCategory as C
+from llmem_plugin.trace.tracker import MemoryCategory as C
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=16, micro_batch_size=1, precision="bf16-mixed")
@@ -155,7 +155,7 @@ def test_chunk_search_equals_colossalai():
     from llmem_plugin.methods._fakepg import fake_process_group
 
     model = tiny_config("llama")
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     meta = modelbuild.build_model(model, WL, device="meta")
     module = nn.Module()

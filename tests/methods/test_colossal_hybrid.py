@@ -22,16 +22,16 @@ from collections import defaultdict
 
 import pytest
 
-from llmem_plugin import modelbuild
+from llmem_plugin.models import modelbuild
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import colossal_hybrid as hybrid
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory as C
-from llmem_plugin.tracker import round_allocation
+from llmem_plugin.trace.tracker import MemoryCategory as C
+from llmem_plugin.trace.tracker import round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")

@@ -8,13 +8,13 @@ import textwrap
 import pytest
 
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import Layout, estimate_method
 from llmem_plugin.methods.ddp import ring_allreduce_bytes
 from llmem_plugin.workload import Workload
 
-from ..conftest import tiny_config
-from ._gloo import run_gloo
+from tests.conftest import tiny_config
+from tests.methods._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")
@@ -25,7 +25,7 @@ def _round(n: int) -> int:
 
 
 def _grad_bytes(cfg) -> int:
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     m = modelbuild.build_model(cfg, WL, device="meta")
     return sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
@@ -77,7 +77,7 @@ _WORKER = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
     from llmem_plugin import modelbuild
-    from llmem_plugin.step import trace_step
+    from llmem_plugin.trace.step import trace_step
     from llmem_plugin.workload import Workload
     from tests.conftest import tiny_config
     from torch.nn.parallel import DistributedDataParallel
@@ -103,7 +103,7 @@ def test_fake_trace_equals_a_real_two_process_gloo_run(tmp_path):
 
 
 def test_lora_buckets_hold_only_the_adapters():
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.workload import LoraSpec
 
     cfg = tiny_config("llama")

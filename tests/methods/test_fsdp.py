@@ -22,17 +22,17 @@ import textwrap
 import pytest
 import torch
 
-from llmem_plugin import modelbuild
+from llmem_plugin.models import modelbuild
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import _local_step, fsdp
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory as C
-from llmem_plugin.tracker import Phase, round_allocation
+from llmem_plugin.trace.tracker import MemoryCategory as C
+from llmem_plugin.trace.tracker import Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
-from ._gloo import run_gloo
+from tests.conftest import tiny_config
+from tests.methods._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=1, precision="bf16-mixed")
@@ -250,7 +250,7 @@ _WORKER = textwrap.dedent("""
     sys.path.insert(0, os.environ["REPO"])
     from torch.distributed.device_mesh import init_device_mesh
     from llmem_plugin import modelbuild
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import _local_step, fsdp
     from llmem_plugin.workload import LoraSpec, Workload
     from tests.conftest import tiny_config

@@ -7,7 +7,7 @@ import pytest
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.methods import Layout, MethodEstimate, RankMemory, method_names
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 
 def test_layout_degrees():

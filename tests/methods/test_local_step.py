@@ -17,13 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmem_plugin import modelbuild
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.models import modelbuild
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import _local_step, fsdp, tp
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 H100 = get_gpu("h100-sxm")
 _NO_DOWN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
@@ -105,7 +105,7 @@ def test_local_step_updates_as_the_dtensor_step(kind, swap):
     from torch.distributed.tensor import DTensor, Shard
 
     from llmem_plugin.methods._fakepg import fake_process_group
-    from llmem_plugin.step import make_optimizer, state_tensors
+    from llmem_plugin.trace.step import make_optimizer, state_tensors
     from llmem_plugin.workload import OptimizerKind
 
     gen = torch.Generator().manual_seed(0)
@@ -150,7 +150,7 @@ def test_a_gradient_sharded_unlike_its_parameter_steps_on_dtensors():
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from llmem_plugin.methods._fakepg import fake_process_group
-    from llmem_plugin.step import make_optimizer
+    from llmem_plugin.trace.step import make_optimizer
     from llmem_plugin.workload import OptimizerKind
 
     with fake_process_group(world_size=2, rank=0):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from llmem_plugin.allocator import replay
-from llmem_plugin.allocator_config import AllocatorConfig
+from llmem_plugin.device.allocator import replay
+from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.methods._streams import replay_streams
 from llmem_plugin.methods.fsdp import _chunk_cat_metadata_numel
 

@@ -30,17 +30,17 @@ import textwrap
 
 import pytest
 
-from llmem_plugin import modelbuild
+from llmem_plugin.models import modelbuild
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import tp
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory as C
-from llmem_plugin.tracker import Phase, round_allocation
+from llmem_plugin.trace.tracker import MemoryCategory as C
+from llmem_plugin.trace.tracker import Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
-from ._gloo import run_gloo
+from tests.conftest import tiny_config
+from tests.methods._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")
@@ -367,7 +367,7 @@ _WORKER = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
     from llmem_plugin import modelbuild
-    from llmem_plugin.gpus import get_gpu
+    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import tp
     from llmem_plugin.methods.layout import Layout
     from llmem_plugin.workload import LoraSpec, Workload

@@ -40,15 +40,15 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import zero
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import MemoryCategory as C
-from llmem_plugin.tracker import Phase, round_allocation
+from llmem_plugin.trace.tracker import MemoryCategory as C
+from llmem_plugin.trace.tracker import Phase, round_allocation
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..conftest import tiny_config
-from ._gloo import run_gloo
+from tests.conftest import tiny_config
+from tests.methods._gloo import run_gloo
 
 H100 = get_gpu("h100-sxm")
 WL = Workload(seq_len=16, micro_batch_size=1, precision="bf16-mixed")
@@ -349,9 +349,9 @@ _WORKER = textwrap.dedent("""
     sys.path.insert(0, os.environ["REPO"])
     import deepspeed
     from llmem_plugin import modelbuild
-    from llmem_plugin.emulation import cuda_emulation
+    from llmem_plugin.trace.emulation import cuda_emulation
     from llmem_plugin.methods import zero
-    from llmem_plugin.tracker import MemoryCategory, MemoryTracker, Phase
+    from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, Phase
     from llmem_plugin.workload import Workload
     from tests.conftest import tiny_config
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmem_plugin.fastsynth import SynthesisError, full_depth_trace
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
+from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import _shortened, estimate_method, zero
 from llmem_plugin.methods.base import capture
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.tracker import round_allocation
+from llmem_plugin.trace.tracker import round_allocation
 from llmem_plugin.workload import Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 H100 = get_gpu("h100-sxm")
 LAYOUT = Layout(num_gpus=4)
@@ -90,7 +90,7 @@ def test_a_growing_buffer_outside_the_layers_fails_the_guard_unless_vouched():
         full_depth_trace(*traces, plan, None)
     grown = full_depth_trace(*traces, plan, None, growing_buffers=True)
     # The full model's flat 16-bit partition: ceil(numel / 4) per trainable parameter, in bf16.
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
 
     meta = modelbuild.build_model(MODEL, wl, device="meta")
     flat = 2 * sum(-(-p.numel() // 4) for p in meta.parameters() if p.requires_grad)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from llmem_plugin import modelbuild
-from llmem_plugin.cost import (
+from llmem_plugin.models import modelbuild
+from llmem_plugin.planner.cost import (
     DEFAULT_INTER_NODE_GBPS,
     FlopCount,
     Network,
@@ -20,12 +20,12 @@ from llmem_plugin.cost import (
     step_time,
 )
 from llmem_plugin.estimate import vocab_size_of
-from llmem_plugin.gpus import get_gpu, gpu_names
-from llmem_plugin.step import NUM_ITERATIONS, trace_step
-from llmem_plugin.tracker import MemoryTracker
+from llmem_plugin.device.gpus import get_gpu, gpu_names
+from llmem_plugin.trace.step import NUM_ITERATIONS, trace_step
+from llmem_plugin.trace.tracker import MemoryTracker
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 
 def _count(cfg, wl: Workload) -> FlopCount:

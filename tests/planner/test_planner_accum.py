@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import llmem_plugin
-from llmem_plugin.planner import plan
+from llmem_plugin.planner.search import plan
 from llmem_plugin.workload import Workload
 
-from ..conftest import tiny_config
+from tests.conftest import tiny_config
 
 
 def test_verified_single_gpu_accumulation_equals_the_estimate():
     # The verification goes through estimate()'s accumulation (micro-steps
-    # traced until the simulated allocator settles, tests/core/test_grad_accum.py),
+    # traced until the simulated allocator settles, tests/test_grad_accum.py),
     # so the planner's figure is the estimate's for the same window. (Tiny
     # GPT-2's allocator still changes at micro-step 2; no tiny config was found
     # whose peak differs between 2 and 6 micro-steps.)

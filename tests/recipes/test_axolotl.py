@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from llmem_plugin import cli
+from llmem_plugin.cli import app as cli
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.recipes import read_recipe
 from llmem_plugin.recipes._hf import HF_OPTIMIZERS

@@ -56,7 +56,7 @@ def test_model_not_in_the_catalog(tmp_path, capsys):
 
 def test_model_config_and_overrides(tmp_path, capsys):
     """--model-config names the file's model; flags after --config override the file (here the micro-batch)."""
-    from llmem_plugin import catalog
+    from llmem_plugin.models import catalog
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(catalog.config_dict("qwen2.5-0.5b")))

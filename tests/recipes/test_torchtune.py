@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmem_plugin import cli
+from llmem_plugin.cli import app as cli
 from llmem_plugin.errors import ConfigError, UnsupportedError
-from llmem_plugin.modelbuild import build_model
+from llmem_plugin.models.modelbuild import build_model
 from llmem_plugin.recipes import read_recipe
 from tests.recipes.conftest import EXAMPLES, run_probe
 

@@ -1,4 +1,4 @@
-"""llmem_plugin.allocator against torch's real CUDA caching allocator, event by event.
+"""llmem_plugin.device.allocator against torch's real CUDA caching allocator, event by event.
 
 A subset of benchmarks/stub_allocator.py's matrix (the full run and its
 result file are described in docs/allocator.md): seeded random streams and

@@ -1,17 +1,17 @@
 """The stub CUDA device itself: what it reports, and what torch's own CUDA code
 allocates on it (cuBLAS workspaces, OOM, expandable segments).
 
-Expected values come from the GPU catalog and from llmem_plugin.overheads,
+Expected values come from the GPU catalog and from llmem_plugin.device.overheads,
 whose constants cite torch's CublasHandlePool.cpp; the stub runs that code.
 """
 import json
 
 import pytest
 
-from llmem_plugin import overheads
-from llmem_plugin.allocator import replay
-from llmem_plugin.allocator_config import AllocatorConfig
-from llmem_plugin.gpus import get_gpu
+from llmem_plugin.device import overheads
+from llmem_plugin.device.allocator import replay
+from llmem_plugin.device.allocator_config import AllocatorConfig
+from llmem_plugin.device.gpus import get_gpu
 
 _PROPS = """
 import json, torch
@@ -25,7 +25,7 @@ print(json.dumps({"name": p.name, "total": p.total_memory, "cc": [p.major, p.min
 @pytest.mark.parametrize("gpu", ["h100-sxm", "a100-40gb", "h200"])
 def test_device_reports_the_catalog_gpu(stub, gpu):
     got = stub.run_json(["-c", _PROPS + stub.EXIT], gpu=gpu)
-    spec = json.loads((stub.ROOT / "llmem_plugin/catalog/gpus.json").read_text())["gpus"][gpu]
+    spec = json.loads((stub.ROOT / "llmem_plugin/models/catalog/gpus.json").read_text())["gpus"][gpu]
     total = spec["driver_memory_bytes"] or spec["memory_bytes"]
     assert got == {"name": spec["display_name"], "total": total, "cc": spec["compute_capability"],
                    "sms": spec["num_sms"], "free": total, "mem_total": total}
@@ -111,8 +111,8 @@ def test_a_sum_into_a_wider_dtype_copies_its_input_as_the_emulation_does(stub):
     fp32 reads the input as it is. The emulation's trace has the same peak."""
     import torch
 
-    from llmem_plugin.emulation import cuda_emulation
-    from llmem_plugin.tracker import MemoryTracker
+    from llmem_plugin.trace.emulation import cuda_emulation
+    from llmem_plugin.trace.tracker import MemoryTracker
 
     got = stub.run_json(["-c", _SUM_PROMOTED + stub.EXIT])
     cases = {"bool": (torch.bool, 3000, {}), "int32": (torch.int32, 5000, {}),

@@ -22,7 +22,7 @@ import pytest
 
 from llmem_plugin.workload import LoraSpec, Workload
 
-from ..core.test_litgpt import small_config
+from tests.models.test_litgpt import small_config
 
 pytest.importorskip("litgpt.config")
 

@@ -1,7 +1,7 @@
 """Variable-length runs on the stub CUDA device against the replay, byte for byte.
 
 Each case runs 60 optimizer steps whose micro-batches have their own padded
-lengths (``llmem_plugin.varlen.step_lengths``, the same seed on both sides)
+lengths (``llmem_plugin.techniques.varlen.step_lengths``, the same seed on both sides)
 through torch's real caching allocator; ``llmem validate`` replays the same
 run from the derived event streams.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmem_plugin.validate import validate_rows
+from llmem_plugin.verify.validate import validate_rows
 
 from .conftest import run_cases
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmem_plugin.validate import validate_rows
+from llmem_plugin.verify.validate import validate_rows
 
 from .conftest import run_cases
 

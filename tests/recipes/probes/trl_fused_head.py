@@ -1,4 +1,4 @@
-"""Compare TRL 1.16.0's own fused LM head with llmem_plugin.trl_head on real CPU tensors; print JSON.
+"""Compare TRL 1.16.0's own fused LM head with llmem_plugin.techniques.trl_head on real CPU tensors; print JSON.
 
 Run in a subprocess with trl 1.16.0 on PYTHONPATH (.frameworks/). A tiny Llama
 is built twice from one seed. On the first, TRL's ``add_fused_lm_head``
@@ -27,7 +27,7 @@ for name in ("pandas", "datasets"):
     sys.modules[name] = stub
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from llmem_plugin.trl_head import fused_sft_loss
+from llmem_plugin.techniques.trl_head import fused_sft_loss
 
 
 def model(seed):

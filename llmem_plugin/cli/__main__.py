@@ -1,0 +1,7 @@
+"""``python -m llmem_plugin.cli``: the ``llmem`` command."""
+
+import sys
+
+from llmem_plugin.cli.app import main
+
+sys.exit(main())

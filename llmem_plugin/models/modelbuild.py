@@ -1,0 +1,704 @@
+"""Build the model to trace without ever holding its weights.
+
+A model source is a catalog name, a path to a ``config.json`` (or a folder
+holding one), a Hub id already in the local cache, a ``PretrainedConfig``, or a
+live ``nn.Module``. The model is built on the meta device, LoRA and gradient
+checkpointing are applied there (peft and ``Module.to`` cannot operate on fake
+parameters, see shared FACTS), and only then are parameters and buffers
+swapped for fake tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmem_plugin.models import catalog
+from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.workload import LoraSpec, Workload
+
+__all__ = ["ModelSource", "adapters_to", "resolve_config", "check_config", "default_precision", "build_model", "fakeify", "num_layers", "set_num_layers"]
+
+ModelSource = Any  # str | os.PathLike | PretrainedConfig | nn.Module
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def resolve_config(source: ModelSource):
+    """Return the ``PretrainedConfig`` named by ``source``.
+
+    Args:
+        source: Catalog name or alias, path to a config.json or its folder, a
+            Hub id present in the local cache, or a ``PretrainedConfig``.
+
+    Raises:
+        ConfigError: Unknown name, unreadable or malformed config.
+    """
+    import transformers
+
+    _quiet_transformers()
+    from llmem_plugin.models.litgpt import is_litgpt_source
+
+    if is_litgpt_source(source):
+        raise UnsupportedError(f"{source!r} is a litgpt model, which is modelled on one GPU only: `llmem estimate "
+                               "--model litgpt:NAME` (no --method, no plan). HINT: for other methods "
+                               "estimate the transformers model of the same architecture")
+    if isinstance(source, transformers.PretrainedConfig):
+        check_config(source)
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(
+            f"model source of type {type(source).__name__} is not supported. "
+            "HINT: pass a catalog name, a config.json path, a PretrainedConfig or an nn.Module"
+        )
+    text = os.fspath(source)
+    name = catalog.lookup(text)
+    if name is not None:
+        return catalog.load_config(name)
+    path = os.path.expanduser(text)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"folder {text!r} holds no config.json. HINT: pass the folder a transformers model "
+                              "was saved to, or the config.json itself")
+    if os.path.isfile(path):
+        return _config_from_file(path)
+    if _looks_like_path(text):
+        raise ConfigError(f"model path {text!r} does not exist. HINT: pass an existing config.json (or its "
+                          "folder), or a catalog name from `llmem models`")
+    if "/" in text and not text.startswith((".", "/")) and text.count("/") == 1:
+        try:
+            return transformers.AutoConfig.from_pretrained(text, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+    # Raises the catalog's "unknown model ... did you mean" error.
+    catalog.entry(text)
+    raise AssertionError("catalog.entry must raise for an unknown name")
+
+
+# transformers 5 saves the floats JSON cannot hold (Mamba2's and Falcon-H1's
+# time_step_limit upper bound) as {"__float__": "Infinity"}
+# (configuration_utils.py, _encode_special_floats / _decode_special_floats).
+_FLOAT_TAG_KEY = "__float__"
+_FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_special_floats(obj: Any) -> Any:
+    """Decode ``{"__float__": "Infinity"}`` as transformers' ``_decode_special_floats`` does."""
+    if isinstance(obj, dict):
+        if set(obj) == {_FLOAT_TAG_KEY} and isinstance(obj[_FLOAT_TAG_KEY], str):
+            return _FLOAT_TAG_VALUES.get(obj[_FLOAT_TAG_KEY], obj)
+        return {k: _decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_special_floats(v) for v in obj]
+    return obj
+
+
+# The size fields the model builder reads, with upper bounds. Each bound is
+# far above every released model and keeps every traced tensor's byte size
+# inside torch's int64 sizes together with the CLI's token bound (2**24):
+# the widest released model (llama-3.1-405b) has hidden_size 16384,
+# intermediate_size 53248 and 126 layers; the largest vocabularies are about
+# 262k (Gemma 3); the most experts about 384 (Kimi K2). The layer bound also
+# keeps the build and trace time bounded (every layer is built and traced).
+_SIZE_FIELDS: dict[str, int] = {
+    "hidden_size": 2**18,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "intermediate_size": 2**20,
+    "vocab_size": 2**24,
+    "head_dim": 2**14,
+    "moe_intermediate_size": 2**20,
+    "max_position_embeddings": 2**24,
+}
+# Expert counts: 0 is valid (a dense model of an MoE family).
+_EXPERT_FIELDS: dict[str, int] = {
+    "num_experts": 2**14,
+    "num_local_experts": 2**14,
+    "n_routed_experts": 2**14,
+    "num_experts_per_tok": 2**14,
+}
+# Fields an estimate cannot do without: transformers fills a missing one with
+# its class default, which describes another model (a config holding only
+# model_type "llama" builds Llama-2-7B's 6.74B parameters).
+_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+_HINT_CONFIG = "HINT: pass the model's complete config.json as saved by transformers"
+
+
+def _looks_like_path(text: str) -> bool:
+    """A file path rather than a catalog name or a Hub id ("org/name")."""
+    return (text.endswith((".json", "/", os.sep)) or text.startswith((".", "/", "~", os.sep))
+            or text.count("/") > 1 or "\\" in text)
+
+
+def _config_from_file(path: str):
+    import transformers
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = _decode_special_floats(json.load(f))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise ConfigError(f"malformed config {path}: {e}. HINT: pass a valid HF config.json") from None
+    except RecursionError:
+        raise ConfigError(f"malformed config {path}: JSON nested too deeply to read. {_HINT_CONFIG}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ConfigError(
+            f"malformed config {path}: no 'model_type' field. HINT: a transformers config.json names its model_type"
+        )
+    model_type = fields.pop("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"malformed config {path}: model_type {model_type!r} is not a string. {_HINT_CONFIG}")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        config_class = None  # for_model below names the valid model types
+    if config_class is not None:
+        required = _check_present(fields, config_class, path)
+        alias = getattr(config_class, "attribute_map", {})
+        _check_values(lambda name: _raw_field(fields, config_class, name), where=f"config {path}", required=required,
+                      label=lambda name: name if name in fields or alias.get(name) not in fields else alias[name])
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, _StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, _StrictDataclassError) and e.__cause__ is not None else e
+        msg = " ".join(str(cause).split()) or type(cause).__name__
+        raise ConfigError(f"malformed config {path}: {msg}. HINT: check model_type and field values") from None
+    check_config(config, where=f"config {path}")
+    return config
+
+
+_MISSING = object()
+
+try:  # transformers 5 configs are huggingface_hub strict dataclasses; their validators raise this
+    from huggingface_hub.errors import StrictDataclassError as _StrictDataclassError
+except ImportError:  # older huggingface_hub: no strict dataclasses
+    class _StrictDataclassError(Exception):
+        pass
+
+
+def _raw_field(fields: dict, config_class, name: str) -> Any:
+    """``fields[name]``, under its canonical name or the one ``attribute_map`` gives it (GPT-2's n_embd)."""
+    if name in fields:
+        return fields[name]
+    alias = getattr(config_class, "attribute_map", {}).get(name)
+    return fields.get(alias, _MISSING) if alias else _MISSING
+
+
+def _check_present(fields: dict, config_class, path: str) -> tuple[str, ...]:
+    """Refuse a config that leaves a field the estimate needs to the class default.
+
+    Returns:
+        The required fields this config class has (those to refuse as null).
+    """
+    try:
+        defaults = config_class()
+    except Exception:  # a class without defaults for every field: nothing to fill in silently
+        return ()
+    if _nested_text_config(fields):
+        return ()
+    required = tuple(name for name in _REQUIRED_FIELDS if getattr(defaults, name, None) is not None)
+    missing = [
+        name for name in required if _raw_field(fields, config_class, name) is _MISSING
+    ]
+    if missing:
+        raise ConfigError(
+            f"config {path} has no {', '.join(missing)}; transformers would fill in "
+            f"{config_class.__name__}'s defaults ({', '.join(f'{n}={getattr(defaults, n)}' for n in missing)}), "
+            f"which describe another model. {_HINT_CONFIG}"
+        )
+    return required
+
+
+def _nested_text_config(fields: dict) -> bool:
+    return isinstance(fields.get("text_config"), dict)
+
+
+def _check_values(get, *, where: str, required: tuple[str, ...] = (), label=lambda name: name) -> None:
+    """Check the size fields ``get(name)`` returns; ``_MISSING`` or None skips a
+    field, except None for a ``required`` one. ``label(name)`` is the field's
+    name in the message (the config file's own key)."""
+    for bounds, low in ((_SIZE_FIELDS, 1), (_EXPERT_FIELDS, 0)):
+        for name, high in bounds.items():
+            value = get(name)
+            if value is _MISSING or (value is None and name not in required):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(
+                    f"{where}: {label(name)} must be an integer in [{low}, {high}], got {value!r}. {_HINT_CONFIG}"
+                )
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    hidden, head_dim = get("hidden_size"), get("head_dim")
+    if isinstance(heads, int) and isinstance(hidden, int) and head_dim in (None, _MISSING) and hidden % heads:
+        raise ConfigError(
+            f"{where}: num_attention_heads {heads} does not divide hidden_size {hidden}. "
+            "HINT: set head_dim, or a head count that divides hidden_size"
+        )
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(
+            f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
+            "(grouped-query attention repeats each KV head). HINT: use a divisor of num_attention_heads"
+        )
+    for name in ("torch_dtype", "dtype"):
+        value = get(name)
+        if value in (_MISSING, None, "auto") or isinstance(value, torch.dtype):
+            continue
+        if not isinstance(value, str) or not isinstance(getattr(torch, value.removeprefix("torch."), None),
+                                                         torch.dtype):
+            raise ConfigError(f"{where}: {name} {value!r} is not a torch dtype. HINT: e.g. \"bfloat16\"")
+
+
+def check_config(config, *, where: str = "config") -> None:
+    """Check the fields the model builder reads: sizes are positive, bounded
+    integers, heads divide the width, the dtype is a torch dtype.
+
+    Args:
+        config: A ``PretrainedConfig``; for a composite one, its text config
+            is checked too.
+        where: What to call the config in the message (its path).
+
+    Raises:
+        ConfigError: The first bad field, named, with its value.
+    """
+    configs = [config]
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            text = get_text()
+        except Exception:  # a config whose text part cannot be located: check the top level only
+            text = config
+        if text is not config:
+            configs.append(text)
+    for cfg in configs:
+        _check_values(lambda name, cfg=cfg: _safe_getattr(cfg, name), where=where)
+
+
+def _safe_getattr(config, name: str) -> Any:
+    try:
+        return getattr(config, name, _MISSING)
+    except Exception:  # a property that computes from a bad field
+        return _MISSING
+
+
+def build_model(source: ModelSource, workload: Workload, *, device: str = "meta") -> nn.Module:
+    """Build the causal-LM to train, with the workload's transforms applied.
+
+    Args:
+        source: See :func:`resolve_config`; a live ``nn.Module`` is copied as
+            structure only (its parameters become meta tensors, its storage is
+            never read).
+        workload: Precision, LoRA, checkpointing and attention settings.
+        device: ``"meta"`` (for fake tracing) or ``"cpu"`` (real weights).
+
+    Raises:
+        ConfigError: Bad source, LoRA targets that match nothing.
+    """
+
+    _quiet_transformers()
+    from llmem_plugin.models import litgpt
+
+    if litgpt.is_litgpt_source(source):  # litgpt's own GPT class (llmem_plugin.models.litgpt)
+        return litgpt.build(source, workload, device=device)
+    from llmem_plugin.models.tasks import check_workload, model_task
+
+    if isinstance(source, nn.Module):
+        if litgpt.is_litgpt_model(source):
+            raise UnsupportedError(f"a live litgpt {type(source).__name__} is not traced as a module (its loop and "
+                                   "options are checked only for a named config). HINT: pass the model as "
+                                   "litgpt:NAME or litgpt:DIR (the checkpoint directory) with the workload")
+        task = model_task(source)
+        if workload.task is not None and workload.task != task.value:
+            raise ConfigError(f"task {workload.task!r} was given, but the module is a {type(source).__name__} "
+                              f"({task.value}). HINT: drop the task, or pass the module the job trains")
+        check_workload(task, workload)
+        _refuse_live_quantized(source)
+        model = _structure_copy(source, workload)
+        from llmem_plugin.techniques.quant import Linear4bitStandIn, adopt_live_lora
+
+        live_quantized = any(isinstance(m, Linear4bitStandIn) for m in model.modules())
+        if live_quantized:  # its dtypes are what trains (k-bit preparation already ran)
+            if workload.quantize is None:
+                raise ConfigError(
+                    f"the live {type(source).__name__} holds bitsandbytes 4-bit layers, but the workload sets no "
+                    "quantization, so the methods and the loading that depend on it would not be checked. HINT: "
+                    "pass Workload(**llmem_plugin.techniques.quant.live_quantization(model), lora=...) (the adapters do)")
+            adopt_live_lora(model)
+        elif workload.precision.param_dtype != torch.float32 and _runner_casts(model, workload):
+            model.to(workload.precision.param_dtype)
+    else:
+        from llmem_plugin.models.tasks import Task, auto_class, config_task
+
+        config = copy.deepcopy(resolve_config(source))
+        config.use_cache = False
+        task = config_task(config, workload.task)
+        check_workload(task, workload)
+        if task is Task.MASKED_LM and _safe_getattr(config, "sparse_prediction") is True:
+            # ModernBertForMaskedLM.forward: with sparse_prediction the head runs on the masked positions
+            # only (boolean indexing): its size follows the masking, which the config does not give.
+            raise UnsupportedError("sparse_prediction=True computes the masked-LM head on the masked tokens only, "
+                                   "a data-dependent share that is not modelled. HINT: estimate with "
+                                   "sparse_prediction false in the config (an upper bound: every token's logits)")
+        if task is Task.SEQ_CLS and getattr(config, "pad_token_id", None) is None:
+            # A decoder classifier scores the last non-padding token and refuses
+            # batches above 1 without a pad id (LlamaForSequenceClassification.
+            # forward); fine-tuning recipes set it (to the eos id). Which id it
+            # is changes no shape.
+            config.pad_token_id = 0
+        if task is Task.SEQ2SEQ:
+            # Shifting the labels right needs both ids (T5's _shift_right,
+            # BART's shift_tokens_right); t5-base's config.json has 0 for both.
+            # Which ids they are changes no shape.
+            for key in ("pad_token_id", "decoder_start_token_id"):
+                if _safe_getattr(config, key) in (None, _MISSING):
+                    setattr(config, key, 0)
+        with torch.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model = auto_class(task).from_config(
+                    config,
+                    attn_implementation=_attn_arg(workload),
+                    dtype=workload.precision.param_dtype,
+                )
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ConfigError(f"cannot build a {task.value} model from this config: {msg}") from None
+    _check_moe_dtype(model, workload)
+    if workload.attn_implementation.value == "flash_attention_2":
+        from llmem_plugin.trace.emulation.flash import check_model
+
+        check_model(model)
+    if workload.freeze_vision:
+        # The vision tower (MllamaModel.vision_model) takes no gradient.
+        vision = getattr(getattr(model, "model", model), "vision_model", None)
+        assert vision is not None, "check_workload allows freeze_vision for vision-language models only"
+        vision.requires_grad_(False)
+    if workload.quantize is not None and not any(type(m).__name__ == "Linear4bitStandIn" for m in model.modules()):
+        from llmem_plugin.techniques.quant import quantize_model
+
+        model = quantize_model(model, workload)
+    model.train()
+    if workload.grad_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"{type(model).__name__} does not support gradient checkpointing. HINT: drop --grad-checkpointing"
+            )
+        kwargs = {"use_reentrant": workload.checkpoint_reentrant}
+        if workload.checkpoint_save_ops is not None:  # op-level SAC: torch.utils.checkpoint's context_fn
+            from llmem_plugin.techniques.checkpointing import parse_save_ops
+
+            kwargs["context_fn"] = parse_save_ops(workload.checkpoint_save_ops).context_fn()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if workload.checkpoint_every > 1:
+            _checkpoint_every(model, workload.checkpoint_every)
+    if workload.lora is not None and not (isinstance(source, nn.Module) and hasattr(model, "peft_config")):
+        # a live peft model holds its adapters already
+        model = _apply_lora(model, workload.lora, dtype=workload.precision.param_dtype)
+    return model
+
+
+def _checkpoint_every(model: nn.Module, k: int) -> None:
+    """Keep gradient checkpointing on every ``k``-th decoder layer only.
+
+    torchtitan's layer-level selective AC (torchtitan/distributed/
+    activation_checkpoint.py, ``_apply_layer_sac``) wraps the blocks whose
+    1-based count is a multiple of ``k``: 0-based layers ``k-1, 2k-1, ...``.
+    transformers checkpoints a layer when its ``gradient_checkpointing`` flag
+    is set (modeling_layers.py, ``GradientCheckpointingLayer``), so the other
+    layers' flags are cleared.
+
+    Raises:
+        UnsupportedError: No decoder layer list, or layers without the flag.
+    """
+    from llmem_plugin.trace.layertags import decoder_layers
+
+    name = decoder_layers(model)
+    layers = list(model.get_submodule(name)) if name else []
+    if not layers or not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        raise UnsupportedError(f"--checkpoint-every needs per-layer checkpointing (transformers' "
+                               f"GradientCheckpointingLayer), which {type(model).__name__}'s layers lack. "
+                               "HINT: checkpoint every layer (drop --checkpoint-every)")
+    for j, layer in enumerate(layers):
+        layer.gradient_checkpointing = j % k == k - 1
+
+
+def _attn_arg(workload: Workload) -> str | None:
+    value = workload.attn_implementation.value
+    if value == "flash_attention_2":
+        # The flash-attn package cannot run here (CUDA only): an emulation
+        # with its allocations is registered under its own name.
+        from llmem_plugin.trace.emulation.flash import attn_implementation_name
+
+        return attn_implementation_name()
+    return None if value == "auto" else value
+
+
+def _check_moe_dtype(model: nn.Module, workload: Workload) -> None:
+    """Refuse MoE experts that a CUDA run would reject.
+
+    transformers (integrations/moe.py) runs experts through
+    ``torch.nn.functional.grouped_mm`` on CUDA, cast to the expert weights'
+    dtype, and the CUDA kernel accepts bf16 only (torch/_meta_registrations.py
+    mirrors the checks of ``_grouped_mm_cuda`` in aten/src/ATen/native/cuda/Blas.cpp).
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_experts_implementation", None)
+    has_experts = any(type(m).__name__.endswith("Experts") for m in model.modules())
+    if has_experts and impl == "grouped_mm" and workload.precision.param_dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{type(model).__name__} runs its experts with grouped_mm, which on CUDA takes bf16 weights only, "
+            f"not {workload.precision.value}. HINT: pass --precision bf16"
+        )
+
+
+def default_precision(source: ModelSource) -> tuple[str, str | None]:
+    """The precision to use when the user names none, and why if it is not the usual one.
+
+    The usual default is ``bf16-mixed``. A model whose experts run
+    ``grouped_mm`` (transformers' default experts implementation for the MoE
+    classes that support it, modeling_utils.get_correct_experts_implementation)
+    takes bf16 weights only on CUDA (see :func:`_check_moe_dtype`), so it
+    gets ``bf16``.
+
+    Returns:
+        ``(precision, reason)``; ``reason`` is None for the usual default.
+    """
+    if isinstance(source, nn.Module):
+        return "bf16-mixed", None
+    from llmem_plugin.models.litgpt import is_litgpt_source
+
+    if is_litgpt_source(source):  # litgpt's finetune configs: precision bf16-true
+        return "bf16", "litgpt's finetune configs train in bf16-true"
+    config = resolve_config(source)
+    if _runs_grouped_mm_experts(config):
+        return "bf16", (f"{type(config).__name__.removesuffix('Config')} runs its experts with grouped_mm, "
+                        "which takes bf16 weights only on CUDA")
+    return "bf16-mixed", None
+
+
+def _runs_grouped_mm_experts(config) -> bool:
+    import transformers
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_experts = max((getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        return False
+    if getattr(config, "_experts_implementation", None) not in (None, "grouped_mm"):
+        return False
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    can_set = getattr(model_class, "_can_set_experts_implementation", None)
+    return bool(can_set and can_set())
+
+
+def _refuse_live_quantized(module: nn.Module) -> None:
+    """A live model whose layers bitsandbytes quantized to 8 bits (``Int8Params``)
+    is refused: LLM.int8 is not modelled (:mod:`llmem_plugin.techniques.quant`)."""
+    quantized = next((name for name, p in module.named_parameters() if type(p).__name__ == "Int8Params"), None)
+    if quantized is not None:
+        raise UnsupportedError(
+            f"the live model holds bitsandbytes 8-bit weights ({quantized}): LLM.int8's matmul splits out "
+            "outlier columns whose number depends on the data. HINT: load it in 4 bits (QLoRA, nf4)")
+    pending = next((name for name, p in module.named_parameters()
+                    if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is None), None)
+    if pending is not None:
+        raise UnsupportedError(
+            f"the live model's 4-bit weight {pending} is not quantized yet (bitsandbytes quantizes it when the "
+            "model moves to the GPU), so its quant state cannot be read. HINT: check after model.cuda(), or "
+            "estimate the recipe from its config with --quantize")
+
+
+def _runner_casts(model: nn.Module, workload: Workload) -> bool:
+    """Whether the job casts a live model to ``workload``'s parameter dtype before training.
+
+    A model already in that dtype (most of its floating-point elements) trains as it is under HF Trainer
+    and plain loops: peft's fp32 adapters on a 16-bit base (``autocast_adapter_dtype``, its default) stay
+    fp32. Lightning's true-precision plugins cast the whole module (``module.to(dtype)`` in
+    ``HalfPrecision.convert_module``), adapters included; a model in another dtype is cast in any case.
+    DeepSpeed's bf16 engine also casts every parameter; its fp32 adapters are kept here, a small over-estimate.
+    """
+    from llmem_plugin.workload import Runner
+
+    if workload.runner is Runner.LIGHTNING:
+        return True
+    return majority_dtype(model) != workload.precision.param_dtype
+
+
+def majority_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of ``model``'s floating-point parameter elements are in (fp32 when it has none): peft's
+    fp32 adapters can outnumber a 16-bit base model's tensors, never its elements."""
+    elements: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            elements[p.dtype] = elements.get(p.dtype, 0) + p.numel()
+    return max(elements, key=elements.get) if elements else torch.float32
+
+
+def _structure_copy(module: nn.Module, workload: Workload | None = None) -> nn.Module:
+    """Deep-copy ``module`` with every parameter and buffer replaced by a meta
+    tensor; bitsandbytes 4-bit layers become their stand-ins
+    (:func:`llmem_plugin.techniques.quant.live_standins`)."""
+    memo: dict[int, Any] = {}
+    if workload is not None:
+        from llmem_plugin.techniques.quant import live_standins
+
+        memo.update(live_standins(module, workload))
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in memo:
+            continue
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    from llmem_plugin.techniques.trl_head import drop_fused_forwards
+
+    model = copy.deepcopy(module, memo)
+    drop_fused_forwards(model)
+    return model
+
+
+def adapters_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every peft LoRA adapter of ``model`` to ``dtype`` (``LoraSpec.adapter_dtype``
+    "base"). peft's ``autocast_adapter_dtype=False`` leaves the adapters in the base
+    weight's dtype, except over a bitsandbytes 4-bit weight, which has no float dtype
+    (``_move_adapter_to_device_of_base_layer`` then keeps them as created, fp32); a
+    recipe that creates them in the model's dtype (litgpt, torchtune) has them there.
+
+    Args:
+        model: A peft model.
+        dtype: The model's parameter dtype (``Precision.param_dtype``).
+    """
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            module.to(dtype)
+
+
+def _apply_lora(model: nn.Module, spec: LoraSpec, *, dtype: torch.dtype) -> nn.Module:
+    from llmem_plugin.models.tasks import Task, model_task
+
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA needs peft: pip install 'llmem_plugin[lora]'") from None
+    targets: Any = "all-linear" if spec.target_modules == ("all-linear",) else list(spec.target_modules)
+    if targets != "all-linear":
+        _check_lora_targets(model, targets)
+    cfg = peft.LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.dropout,
+        target_modules=targets,
+        # peft's task types: SEQ_CLS and TOKEN_CLS also train the new
+        # classification head (their peft models add it to modules_to_save).
+        # (peft has no masked-LM task type: the plain PeftModel.)
+        task_type={Task.SEQ_CLS: "SEQ_CLS", Task.TOKEN_CLS: "TOKEN_CLS", Task.SEQ2SEQ: "SEQ_2_SEQ_LM",
+                   Task.MASKED_LM: None}.get(model_task(model), "CAUSAL_LM"),
+    )
+    from llmem_plugin.techniques.quant import lora_custom_modules
+
+    if custom := lora_custom_modules(model):  # 4-bit stand-ins take peft's 4-bit LoRA layer
+        cfg._register_custom_module(custom)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = peft.get_peft_model(model, cfg, autocast_adapter_dtype=spec.adapter_dtype == "fp32")
+        except (ValueError, TypeError) as e:  # peft's own refusal of a target
+            first = " ".join(str(e).split())[:300]
+            raise ConfigError(f"peft cannot apply LoRA to {','.join(spec.target_modules)}: {first}. "
+                              "HINT: pass --lora-targets with linear module names, or all-linear") from None
+    if spec.adapter_dtype == "base":
+        adapters_to(model, dtype)
+    return model
+
+
+def _check_lora_targets(model: nn.Module, targets: list[str]) -> None:
+    """Refuse targets that match nothing (ConfigError), or match modules other
+    than linear layers (UnsupportedError).
+
+    A target matches a module whose qualified name is the target or ends with
+    ``"." + target`` (peft ``check_target_module_exists`` for a list). LoRA is
+    modelled on ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2) only: peft's
+    ``lora.Embedding`` hides the embedding's ``num_embeddings``, which the
+    trace reads, and a container module is not a layer peft can adapt.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    linear = (nn.Linear, Conv1D)
+    modules = list(model.named_modules())
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in modules if isinstance(m, linear)})
+    matched = {t: [m for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+    missing = [t for t, ms in matched.items() if not ms]
+    if len(missing) == len(targets):
+        raise ConfigError(
+            f"LoRA target modules {','.join(missing)} match no module of {type(model).__name__}; "
+            f"linear modules are: {','.join(names)}. HINT: pass --lora-targets with some of them"
+        )
+    for t, ms in matched.items():
+        other = next((m for m in ms if not isinstance(m, linear)), None)
+        if other is not None:
+            raise UnsupportedError(
+                f"llmem does not model LoRA on {t}: it matches a module of type {type(other).__name__}, and LoRA is "
+                f"modelled on linear layers only. HINT: pass --lora-targets with linear modules: {','.join(names)}"
+            )
+
+
+def fakeify(model: nn.Module, fake_mode) -> None:
+    """Swap every parameter and buffer of ``model`` for a fake CPU tensor, in place.
+
+    Tied parameters stay tied. Must run outside ``fake_mode``'s context.
+    """
+    done: dict[int, torch.Tensor] = {}
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(fake_like(p), requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in done:
+                done[id(b)] = fake_like(b)
+            mod._buffers[name] = done[id(b)]
+
+
+def num_layers(config) -> int:
+    """Number of transformer layers in ``config`` (a composite vision-language
+    config's text model's)."""
+    for cfg in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if cfg is not None and getattr(cfg, key, None):
+                return int(getattr(cfg, key))
+    raise ConfigError(f"config of type {type(config).__name__} names no layer count")
+
+
+def set_num_layers(config, n: int):
+    """A copy of ``config`` with ``n`` layers (and per-layer lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if getattr(cfg, key, None):
+            setattr(cfg, key, n)
+            break
+    # A stored per-layer list only: some configs (MambaConfig) derive
+    # ``layer_types`` in a read-only property from the layer count.
+    layer_types = vars(cfg).get("layer_types")
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) >= n:
+        cfg.layer_types = list(layer_types[:n])
+    return cfg

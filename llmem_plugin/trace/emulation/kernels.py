@@ -1,0 +1,184 @@
+"""What CUDA kernels allocate inside an op, that the CPU kernels of the trace do not.
+
+One dispatch mode, entered by :func:`llmem_plugin.trace.emulation.cuda_emulation`
+inside the tracker, looks at every ATen op of the traced step:
+
+* **Reduction scratch.** A ``sum`` / ``mean`` that CUDA splits across thread
+  blocks allocates a buffer and semaphores after its output and frees them
+  before returning (:mod:`.reduce`); here the same two allocations are made
+  and dropped, so the tracker sees them in the same place.
+* **Softmax backward.** CUDA's ``_softmax_backward_data`` computes
+  ``grad * output`` into a temporary the size of the gradient, after its
+  output and freed on return (aten/src/ATen/native/cuda/SoftMax.cu,
+  ``softmax_backward_cuda_out``): one per eager-attention layer in backward
+  (64 MiB per layer for Gemma-2-2B at 2 x 1024 tokens, on the stub).
+* **Gradient accumulation in place.** Where two gradients of one input meet,
+  the autograd engine adds them in place on a real run but out of place
+  under the tracer (:func:`_accumulates_in_place`); the mode turns the
+  engine's ``add`` back into ``add_``.
+* **cuBLAS first use.** A thread's cuBLAS handle and its workspace (32 MiB on
+  sm90, torch 2.13) are created by the thread's first cuBLAS call, after that
+  call's output is allocated (aten/src/ATen/cuda/CublasHandlePool.cpp,
+  ``getCurrentCUDABlasHandle`` sets the workspace when the gemm asks for the
+  handle). The workspace is an overhead, not a tensor of the trace
+  (:func:`llmem_plugin.device.overheads.workspace_allocations`); the mode only marks
+  the spot (``mark("cublas")``, once per phase: forward runs on the main
+  thread, backward on the autograd engine's device thread) and
+  :func:`llmem_plugin.estimate.allocator_events` inserts the workspace there.
+  On the stub CUDA device, placing it at the start of backward instead
+  (before the loss gradient's first matmul) cost one 4.6 GiB segment on
+  Qwen2.5-0.5B (benchmarks/results/stub-wholestep-2026-11-25.md).
+
+Known limitations:
+    * Ops that reach cuBLAS through other names (``_scaled_mm``, cuBLASLt
+      grouped GEMMs) do not mark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmem_plugin.trace.emulation.reduce import MAX_THREADS_PER_SM, REDUCE_OPS, acc_bytes, global_reduce_bytes
+
+__all__ = ["CUBLAS_OPS", "cuda_kernels"]
+
+_aten = torch.ops.aten
+# ATen ops whose CUDA kernels call cuBLAS (aten/src/ATen/native/cuda/Blas.cpp):
+# matmul, linear and einsum decompose into these.
+CUBLAS_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
+    _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default, _aten._addmm_activation.default,
+})
+_SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
+_ADD = _aten.add.Tensor
+# Frames between a dispatch mode and the code that called the op.
+_DISPATCH_FRAMES = (os.sep + "_dynamo" + os.sep, os.sep + "torch" + os.sep + "_compile.py")
+
+
+def _from_autograd_engine() -> bool:
+    """Whether the op being dispatched was called by the autograd engine itself
+    (C++: a derivative formula or the engine's gradient accumulation), not by
+    Python code such as a custom ``Function.backward``."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or any(part in frame.f_code.co_filename for part in _DISPATCH_FRAMES)):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_engine_run_backward"
+
+
+def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
+    """Whether this ``add`` is the engine summing two gradients of one input, which a
+    CUDA run does in place.
+
+    torch/csrc/autograd/input_buffer.cpp ``accumulate`` (torch 2.13): with grad
+    mode off, ``buffer[pos] = old_var.add_(var)`` when ``can_accumulate_inplace(old_var)``
+    -- a plain tensor (not a tensor subclass), non-overlapping and dense, whose
+    last reference the buffer holds, storage included (so not a view) -- else
+    ``old_var + var``. Under the
+    tracer every tensor is a FakeTensor and a dispatch mode holds references,
+    so the engine always takes the out-of-place branch and the trace gains a
+    transient the size of the gradient at every fan-in (residual streams,
+    rotary halves, tied embeddings: 2.2 GiB for Gemma-2-2B's embedding
+    gradient). A real run holds the last reference at that point: the other
+    consumers of a gradient shared by two inputs have run before the second
+    gradient of an input can arrive. Derivative formulas that add with grad
+    mode off (none on the traced models' paths) are taken for accumulation.
+    """
+    if kwargs or len(args) != 2 or torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+        return False
+    old, var = args
+    if not (isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor)):
+        return False
+    if old.shape != var.shape or old.dtype != var.dtype or old.is_sparse or var.is_sparse:
+        return False
+    # A view (a transposed weight gradient from TBackward, a reshaped one)
+    # shares its storage with its base, which the view keeps alive:
+    # ``storage().use_count() == 1`` fails and CUDA adds out of place (seen on
+    # the stub for Llama-3.2-1B's tied embedding under checkpointing).
+    return not old._is_view() and is_non_overlapping_and_dense(old) and _from_autograd_engine()
+def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
+    """The input copy a sum or mean into a wider dtype makes (a bool or int32
+    ``sum`` into int64), after its output and freed once the kernel returns.
+
+    ReduceOpsUtils.h ``make_reduction_from_shape_and_dtype`` reduces in the
+    output's dtype (``in_dtype = out_dtype``) except for fp16/bf16 into fp32 on
+    CUDA, and ``make_reduction`` hands ``self.to(in_dtype)`` to the iterator.
+    The copy is internal to the op, so a dispatch-level trace does not see it
+    (the stub CUDA device does: tests/stub/test_device.py).
+    """
+    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dtype == x.dtype:
+        return None
+    if x.dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32:
+        return None  # gpu_lowp_to_f32: the kernel reads the 16-bit input itself
+    if x.is_complex() or out.is_complex():
+        return None
+    return torch.empty_like(x, dtype=out.dtype)
+
+
+# Threads per multiprocessor where the table has no entry: sm90's.
+_DEFAULT_MAX_THREADS_PER_SM = 2048
+
+
+class _CudaKernelMode(TorchDispatchMode):
+    def __init__(self, num_sms: int, max_threads_per_sm: int, mark: Callable[[str], None] | None) -> None:
+        super().__init__()
+        self.num_sms = num_sms
+        self.max_threads_per_sm = max_threads_per_sm
+        self.mark = mark
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _ADD and _accumulates_in_place(args, kwargs):
+            return args[0].add_(args[1])
+        out = func(*args, **kwargs)
+        if func in CUBLAS_OPS:
+            if self.mark is not None:
+                self.mark("cublas")
+        elif func in REDUCE_OPS:
+            copy = _promoted_input(args[0], out)
+            self._reduce_scratch(args, kwargs)
+            del copy
+        elif func is _SOFTMAX_BACKWARD:
+            # SoftMax.cu, softmax_backward_cuda_out: ``Tensor tmp = grad * output;``
+            # after grad_input is allocated, freed on return (the CPU kernel makes none).
+            grad, output = args[0], args[1]
+            tmp = torch.empty(torch.broadcast_shapes(grad.shape, output.shape),
+                              dtype=torch.result_type(grad, output), device=grad.device)
+            del tmp
+        return out
+
+    def _reduce_scratch(self, args, kwargs) -> None:
+        x = args[0]
+        if not x.dtype.is_floating_point or x.numel() <= 1:
+            return
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        buffer, semaphores = global_reduce_bytes(x, dims, acc_bytes=acc_bytes(x.dtype), num_sms=self.num_sms,
+                                                 max_threads_per_sm=self.max_threads_per_sm)
+        if buffer:
+            # Reduce.cuh gpu_reduce_kernel: after the output; DataPtr locals, freed in reverse order.
+            buf = torch.empty(buffer, dtype=torch.uint8, device=x.device)
+            sem = torch.empty(semaphores, dtype=torch.uint8, device=x.device)
+            del sem, buf
+
+
+@contextlib.contextmanager
+def cuda_kernels(*, compute_capability: tuple[int, int], num_sms: int,
+                 mark: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Emulate the CUDA kernels' own allocations for the duration of the block.
+
+    Args:
+        compute_capability: The GPU's, for its resident threads per multiprocessor.
+        num_sms: The GPU's multiprocessor count.
+        mark: Called with "cublas" after every cuBLAS op (the tracker keeps
+            the first per phase: ``MemoryTracker.mark``); None to mark nothing.
+    """
+    threads = MAX_THREADS_PER_SM.get(tuple(compute_capability), _DEFAULT_MAX_THREADS_PER_SM)
+    with _CudaKernelMode(num_sms, threads, mark):
+        yield
