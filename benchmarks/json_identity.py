@@ -1,7 +1,7 @@
 """The `--json` output of the benchmark configurations, for checking that a
 change which should not move any figure moves none.
 
-    python benchmarks/json_identity.py run OUT_DIR      # one JSON file per case
+    python benchmarks/json_identity.py run OUT_DIR [CASE ...]   # one JSON file per case (default: all)
     python benchmarks/json_identity.py compare A B      # exit 1 on any difference
 
 Run it on the commit before a refactor and on the one after, then compare. The
@@ -27,7 +27,7 @@ CASES: dict[str, list[str]] = {
     "est-qwen-qlora": ["estimate", "--model", "qwen2.5-7b", "--quantize", "nf4", "--double-quant",
                        "--lora-rank", "16", "--seq-len", "1024"],
     "est-t5": ["estimate", "--model", "t5-base", "--seq-len", "512", "--target-len", "128"],
-    "est-varlen": ["estimate", "--model", "llama-3.2-1b", "--seq-lens", "512,1024,256,2048"],
+    "est-varlen": ["estimate", "--model", "llama-3.2-1b", "--seq-lens", "512:2,1024:1,256:3,2048:1"],
     "est-1b-accum": ["estimate", "--model", "llama-3.2-1b", "--seq-len", "1024", "--grad-accum", "4",
                      "--loss", "chunked"],
     "est-config-trl": ["estimate", "--config", "examples/recipes/trl/qwen2_5_0_5b_dpo_lora.yaml"],
@@ -50,9 +50,11 @@ def _strip(x):
     return x
 
 
-def run(out: Path) -> None:
+def run(out: Path, only: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, argv in CASES.items():
+        if only and name not in only:
+            continue
         p = subprocess.run([sys.executable, "-m", "llmem_plugin.cli", *argv, "--gpu", "h100-sxm", "--json"],
                            capture_output=True, text=True)
         (out / f"{name}.json").write_text(json.dumps({"rc": p.returncode, "stdout": p.stdout,
@@ -75,6 +77,6 @@ def compare(a: Path, b: Path) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        run(Path(sys.argv[2]))
+        run(Path(sys.argv[2]), sys.argv[3:])
     else:
         sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))

@@ -23,7 +23,8 @@ CASES = [
 
 def main() -> None:
     from llmem_plugin.errors import LLMemError, WontFitError
-    from llmem_plugin.planner.search import _Config, _registry_call, plan
+    from llmem_plugin.planner.candidates import _Config, _registry_call
+    from llmem_plugin.planner.search import plan
     from llmem_plugin.workload import Workload
 
     rows = []

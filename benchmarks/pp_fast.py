@@ -40,7 +40,7 @@ def main() -> None:
 
     from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout, estimate_method
-    from llmem_plugin.methods.pp.method import method as pp_method
+    from llmem_plugin.methods.pp import method as pp_method
     from llmem_plugin.workload import Workload
 
     env = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),

@@ -17,7 +17,7 @@ CASES = [("1f1b", 16, 64, 1), ("interleaved-1f1b", 8, 32, 2), ("interleaved-1f1b
 def main() -> None:
     import torch
 
-    from llmem_plugin.methods.pp.method import compose as pp_compose
+    from llmem_plugin.methods.pp import compose as pp_compose
 
     rows = []
     for schedule, p, m, v in CASES:

@@ -40,7 +40,7 @@ _GiB = 1 << 30
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_allocator_worker.py")
 GPU = "h100-sxm"
 # What the stub reports as totalGlobalMem for h100-sxm: the catalog's
-# driver_memory_bytes (llmem_plugin/models/catalog/gpus.json), read back by the worker.
+# driver_memory_bytes (llmem_plugin/device/gpus.json), read back by the worker.
 DEVICE_MEMORY_BYTES = 85_520_809_984
 # Cases per worker process. Each expandable segment reserves 1 1/8 of the
 # device memory of address space that the stub never reuses (its arena is

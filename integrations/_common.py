@@ -257,7 +257,7 @@ def _task_dim(live: "LiveModel", batch: Any, task: Any, key: str, ndim: int) -> 
 def target_len(live: "LiveModel", batch: Any) -> int | None:
     """The target length of a seq2seq model's batch (its ``labels``' second
     dimension); None for other models, or a batch without 2-D labels."""
-    from llmem_plugin.models.tasks import Task
+    from llmem_plugin.workload import Task
 
     return _task_dim(live, batch, Task.SEQ2SEQ, "labels", 2)
 
@@ -266,7 +266,7 @@ def images_per_sample(live: "LiveModel", batch: Any) -> int | None:
     """Images per sample of a vision-language model's batch (``pixel_values``
     ``[batch, images, tiles, 3, H, W]``, Mllama's processor); None for other
     models or a batch without images."""
-    from llmem_plugin.models.tasks import Task
+    from llmem_plugin.workload import Task
 
     return _task_dim(live, batch, Task.IMAGE_TEXT, "pixel_values", 6)
 
@@ -374,7 +374,7 @@ def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | N
            num_nodes: int = 1, margin: float = 0.05, methods: list[str] | None = None,
            global_batch: int | None = None, micro_batch: int | None = None,
            grad_checkpointing: bool | None = None, tps: list[int] | None = None) -> Any:
-    """Plan ``live`` over ``methods``; the :class:`~llmem_plugin.planner.search.Plan`.
+    """Plan ``live`` over ``methods``; the :class:`~llmem_plugin.planner.candidates.Plan`.
 
     Raises:
         WontFitError: Nothing fits (carries the plan and its suggestions).
@@ -394,6 +394,7 @@ def report_text(obj: Any, *, gpu: GPU | None = None, width: int = 110) -> str:
     from rich.console import Console
 
     from llmem_plugin.cli import report
+    from llmem_plugin.summary import render_estimate
 
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, highlight=False)
@@ -402,5 +403,5 @@ def report_text(obj: Any, *, gpu: GPU | None = None, width: int = 110) -> str:
     elif hasattr(obj, "ranks"):
         report.render_methods([obj], [], gpu, console)
     else:
-        report.render_estimate(obj, console)
+        render_estimate(obj, console)
     return buf.getvalue().rstrip()

@@ -92,7 +92,7 @@ def to_deepspeed_config(plan: Any, candidate: Any = None, *, optimizer: bool = T
     """The DeepSpeed config dict of a plan's choice (or of ``candidate``).
 
     Args:
-        plan: A :class:`llmem_plugin.planner.search.Plan`.
+        plan: A :class:`llmem_plugin.planner.candidates.Plan`.
         candidate: One of ``plan.candidates``; the plan's choice if None.
         optimizer: Include the ``optimizer`` section. A trainer that builds
             the optimizer itself (HF Trainer from its arguments, Lightning

@@ -51,7 +51,7 @@ _ON_WONT_FIT = ("abort", "warn")
 _ZERO = ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
 _FSDP = ("fsdp", "fsdp-offload")
 _TP = ("tp", "dp-tp", "fsdp-tp")
-# Planner names that are a registry method with options (llmem_plugin.planner.search._VARIANTS).
+# Planner names that are a registry method with options (llmem_plugin.planner.candidates._VARIANTS).
 _CHECK_AS = {"fsdp-offload": ("fsdp", {"cpu_offload": True})}
 # torch.optim classes by the workload's optimizer (llmem_plugin.workload.OptimizerKind).
 _OPTIMIZERS = {"AdamW": "adamw", "SGD": "sgd", "Adafactor": "adafactor"}
@@ -161,7 +161,7 @@ def lightning_strategy(plan: Any, candidate: Any = None, *, module: Any = None,
     """The Lightning strategy object that runs a plan's choice (or ``candidate``).
 
     Args:
-        plan: A :class:`llmem_plugin.planner.search.Plan`.
+        plan: A :class:`llmem_plugin.planner.candidates.Plan`.
         candidate: One of ``plan.candidates``; the plan's choice if None.
         module: The model, for FSDP's wrap policy (its decoder-layer classes).
         package: ``lightning.pytorch`` or ``pytorch_lightning``.

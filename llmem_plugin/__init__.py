@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import Estimate, estimate
     from llmem_plugin.device.gpus import GPU, get_gpu
-    from llmem_plugin.planner.search import Candidate, Plan, plan
+    from llmem_plugin.planner.candidates import Candidate, Plan
+    from llmem_plugin.planner.search import plan
     from llmem_plugin.trace.tracker import MemoryCategory, Phase
     from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
 
@@ -23,8 +24,8 @@ _LAZY = {
     "estimate": "estimate",
     "GPU": "device.gpus",
     "get_gpu": "device.gpus",
-    "Candidate": "planner.search",
-    "Plan": "planner.search",
+    "Candidate": "planner.candidates",
+    "Plan": "planner.candidates",
     "plan": "planner.search",
     "MemoryCategory": "trace.tracker",
     "Phase": "trace.tracker",

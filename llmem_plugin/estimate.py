@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import os
 import time
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 
 from llmem_plugin.models import modelbuild
+from llmem_plugin.models.config import num_layers
 from llmem_plugin.device.allocator import AllocatorConfig, AllocatorResult, CachingAllocator, SimulatedOOM, replay
 from llmem_plugin.errors import ConfigError, UnsupportedError, tracing
 from llmem_plugin.device.gpus import GPU, get_gpu, size_bytes
+from llmem_plugin.device.host import HostCapacity, process_baseline_bytes, resolve_host_memory
 from llmem_plugin.device.overheads import (
     DeviceOverheads,
     device_overheads,
@@ -194,10 +197,10 @@ class Estimate:
                 f"of {self.capacity_gib:.2f} GiB, fits={self.fits})")
 
     def __str__(self) -> str:
-        """The summary tables ``llmem estimate`` prints (:func:`llmem_plugin.cli.report.render_estimate`), as text."""
+        """The summary tables ``llmem estimate`` prints (:func:`llmem_plugin.summary.render_estimate`), as text."""
         from rich.console import Console
 
-        from llmem_plugin.cli.report import render_estimate
+        from llmem_plugin.summary import render_estimate
 
         buf = io.StringIO()
         render_estimate(self, Console(file=buf, width=100, color_system=None, force_terminal=False))
@@ -546,7 +549,7 @@ def _check_source(model: Any) -> None:
         return
     text = os.fspath(model)
     from llmem_plugin.models import catalog
-    from llmem_plugin.models.litgpt import is_litgpt_source
+    from llmem_plugin.models.config import is_litgpt_source
 
     if is_litgpt_source(text):  # llmem_plugin.models.litgpt checks its name or file
         return
@@ -608,7 +611,7 @@ def trace_positions(events: list[tuple[int, int, int]]) -> list[int]:
 def setup_peaks(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads) -> tuple[int, int] | None:
     """Peak allocated and reserved of the setup phase: the replay up to the
     trace's ``loaded`` mark (:data:`llmem_plugin.trace.step.LOADED_MARK`), or None without it."""
-    from llmem_plugin.trace.step import LOADED_MARK
+    from llmem_plugin.trace.loading import LOADED_MARK
 
     pos = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}")
     if pos is None:
@@ -701,121 +704,242 @@ def estimate(
         TraceError: The model's step cannot run under fake tensors.
     """
     t0 = time.perf_counter()
+    inputs = _resolve_inputs(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory, alloc_conf=alloc_conf,
+                             host_memory=host_memory)
+    built = _build(model, inputs, torch_version=torch_version)
+    traced = _trace_model(model, inputs, built, fast=fast)
+    replayed = _replay(traced, inputs, built)
+    return _assemble(model, inputs, built, traced, replayed, seconds=time.perf_counter() - t0)
+
+
+# The steps of estimate(), in the order it runs them: resolve the inputs, build
+# the model on the meta device, trace its step, replay the trace through the
+# caching allocator, and assemble the Estimate.
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Inputs:
+    """The estimate's inputs, checked and resolved (:func:`_resolve_inputs`)."""
+
+    workload: Workload
+    gpu: GPU  # with the gpu_memory override applied
+    host: HostCapacity  # the node's host RAM
+    alloc_config: AllocatorConfig
+
+
+def _resolve_inputs(model: Any, workload: Workload | dict | None, workload_fields: dict[str, Any], *,
+                    gpu: GPU | str | None, gpu_memory: int | str | None, alloc_conf: AllocatorConfig | str | None,
+                    host_memory: int | str | None) -> _Inputs:
+    """Step 1: refuse a model source that cannot be traced, build the workload
+    and check its techniques, and resolve the GPU, the host RAM and the allocator settings.
+
+    Raises:
+        ConfigError, UnsupportedError: As :func:`estimate`.
+    """
     _check_source(model)
     wl = _workload_from(workload, dict(workload_fields))
     from llmem_plugin.techniques import check_supported
 
     check_supported("single", wl)
     target = _resolve_gpu(gpu, gpu_memory)
-    from llmem_plugin.device.host import process_baseline_bytes, resolve_host_memory
-
-    host_cap = resolve_host_memory(host_memory, gpu=target, gpus_per_node=1)
-    cc = target.compute_capability
+    host = resolve_host_memory(host_memory, gpu=target, gpus_per_node=1)
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    return _Inputs(workload=wl, gpu=target, host=host, alloc_config=config)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Built:
+    """The model on the meta device, and what it tells before any trace (:func:`_build`)."""
+
+    model: nn.Module  # made fake when the full step is traced
+    config: Any  # its config (None for a module without one)
+    params: int
+    trainable_params: int
+    paged_bytes: int  # paged optimizer states (llmem_plugin.techniques.optim)
+    num_layers: int
+    overheads: DeviceOverheads
+
+
+def _build(model: Any, inputs: _Inputs, *, torch_version: str | None) -> _Built:
+    """Step 2: the model on the meta device with the workload's adapters and
+    quantization, its parameter counts, its paged optimizer states, its depth
+    and the device overheads (the cuBLASLt workspace where a Linear has a bias)."""
+    wl = inputs.workload
     full = modelbuild.build_model(model, wl, device="meta")
     params, trainable = _count_params(full)
     from llmem_plugin.techniques.optim import paged_state_bytes
 
     paged = paged_state_bytes([p for p in full.parameters() if p.requires_grad], wl.optimizer)
     model_config = getattr(full, "config", None)
-    depth = modelbuild.num_layers(model_config) if model_config is not None else 0
-    overheads = device_overheads(cc, torch_version=torch_version, uses_cublaslt=uses_cublaslt(full))
-    capacity = target.capacity_bytes
+    depth = num_layers(model_config) if model_config is not None else 0
+    overheads = device_overheads(inputs.gpu.compute_capability, torch_version=torch_version,
+                                 uses_cublaslt=uses_cublaslt(full))
+    return _Built(model=full, config=model_config, params=params, trainable_params=trainable, paged_bytes=paged,
+                  num_layers=depth, overheads=overheads)
 
-    accum_notes: list[str] = []
+
+@dataclass(frozen=True, kw_only=True)
+class _Traced:
+    """The traced step (:func:`_trace_model`).
+
+    Attributes:
+        result: The trace replayed; where fast mode extrapolated the
+            allocator's peaks, the extrapolated trace whose tensor figures are reported.
+        fast: Whether fast mode produced it.
+        host_peak_bytes: Peak of host-resident bytes (fast mode: extrapolated per layer).
+        extrapolated: Fast mode's allocator peaks and verdict, extrapolated
+            per layer where the full event stream could not be built (the
+            trace is then not replayed); None otherwise.
+        notes: Lines on what fast mode and the accumulation window did.
+    """
+
+    result: TraceResult
+    fast: bool
+    host_peak_bytes: int
+    extrapolated: tuple[AllocatorResult, bool] | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _trace_model(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _Traced:
+    """Step 3: the step of the built model under fake tensors, a long
+    accumulation window shortened where it repeats (:func:`_steady_trace`);
+    with ``fast``, built from two shortened copies instead where it can be
+    (:func:`_fast_trace`)."""
+    notes: list[str] = []  # fast mode's lines
+    accum_notes: list[str] = []  # the accumulation window's, one per trace
 
     def trace(m: nn.Module, w: Workload, *, tag_layers: bool = False) -> TraceResult:
-        return _steady_trace(m, w, target, config=config, overheads=overheads, capacity=capacity, notes=accum_notes,
-                             tag_layers=tag_layers)
+        return _steady_trace(m, w, inputs.gpu, config=inputs.alloc_config, overheads=built.overheads,
+                             capacity=inputs.gpu.capacity_bytes, notes=accum_notes, tag_layers=tag_layers)
 
-    timeline: list[tuple[int, Phase, int]] = []
-    memory_timeline: list[tuple[int, str, int, int]] = []
-    fast_notes: tuple[str, ...] = ()
-    replay_in_full = True  # the step's whole event stream is replayed (traced, or built by fastsynth)
-    from llmem_plugin.models.litgpt import is_litgpt_source
+    from llmem_plugin.models.config import is_litgpt_source
 
     if fast and is_litgpt_source(model):  # fast mode builds shortened transformers configs
         fast = False
-        fast_notes = ("fast mode does not apply to a litgpt model: its step was traced in full",)
-    if fast and not isinstance(model, nn.Module):
-        from llmem_plugin.trace.fast import extrapolated_trace
-        from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
+        notes.append("fast mode does not apply to a litgpt model: its step was traced in full")
+    traced = _fast_trace(model, inputs, built, trace, notes) if fast and not isinstance(model, nn.Module) else None
+    if traced is None:
+        result = trace(built.model, inputs.workload)
+        traced = _Traced(result=result, fast=False, host_peak_bytes=result.host_peak_bytes)
+    return dataclasses.replace(traced, notes=tuple(notes) + tuple(dict.fromkeys(accum_notes)))
 
-        from llmem_plugin.trace import loading
 
-        splice_setup = loading.has_transients(wl)  # the copies load directly; the full model's setup is spliced in
-        with loading.direct_only() if splice_setup else contextlib.nullcontext():
-            ext = extrapolated_trace(model, wl, depth=depth, trace=lambda m, w: trace(m, w, tag_layers=True),
-                                     trace_full=trace)
-        result = ext.result
-        fast_notes = (ext.note,) if ext.note else ()
-        if result is None:  # layer kinds unknown: the full trace below
-            fast = False
-        elif ext.short is None and splice_setup:  # the model itself was traced, loading directly
-            result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl), result)
-        elif ext.short is not None:
-            try:
-                result = full_depth_trace(ext.short, ext.long, ext.plan, result)
-                if splice_setup:
-                    result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl),
-                                            result)
-            except SynthesisError as e:
-                replay_in_full = False
-                sim = _extrapolated_simulation(ext, config, overheads)
-                total = sim.peak_reserved_bytes + overheads.outside_allocator_bytes
-                fits = total <= capacity
-                # Too close to call from an extrapolation: the full trace decides.
-                fast = abs(total - capacity) > FAST_VERDICT_BAND * capacity
-                if fast:
-                    fast_notes += (f"fast mode extrapolated the allocator's peaks per layer, as the full event "
-                                   f"stream could not be built ({e}): reserved may be off by up to "
-                                   f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure",)
-                    if splice_setup:
-                        fast_notes += ("the setup phase (loading the weights) is not in these extrapolated peaks; "
-                                       "drop --fast to include it",)
-    if not fast:
-        fast = False
-        result = trace(full, wl)
-    if replay_in_full or not fast:
-        sim, fits = simulate_trace(result, config, overheads, capacity, timeline_points=_TIMELINE_POINTS)
-        timeline = _thin(result.timeline, _TIMELINE_POINTS)
-        memory_timeline = sim.timeline
-    host_peak = ext.extrapolate(lambda r: r.host_peak_bytes) if fast else result.host_peak_bytes
-    setup = setup_peaks(result, config, overheads) if replay_in_full or not fast else None
+def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: list[str]) -> _Traced | None:
+    """Fast mode: the full step's event stream built from two shortened
+    copies (:mod:`llmem_plugin.trace.fastsynth`); where it cannot be built,
+    the allocator's peaks extrapolated per layer, unless the verdict is within
+    :data:`FAST_VERDICT_BAND` of the capacity. Appends its lines to ``notes``.
+
+    Returns:
+        The traced step, or None where the full trace is to run instead
+        (layer kinds unknown, or a verdict too close to call).
+    """
+    from llmem_plugin.trace import loading
+    from llmem_plugin.trace.fast import extrapolated_trace
+    from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
+
+    wl = inputs.workload
+    splice_setup = loading.has_transients(wl)  # the copies load directly; the full model's setup is spliced in
+    with loading.direct_only() if splice_setup else contextlib.nullcontext():
+        ext = extrapolated_trace(model, wl, depth=built.num_layers, trace=lambda m, w: trace(m, w, tag_layers=True),
+                                 trace_full=trace)
+    result = ext.result
+    notes.extend([ext.note] if ext.note else [])
+    if result is None:  # layer kinds unknown: the full trace
+        return None
+    extrapolated = None
+    if ext.short is None and splice_setup:  # the model itself was traced, loading directly
+        result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl), result)
+    elif ext.short is not None:
+        try:
+            result = full_depth_trace(ext.short, ext.long, ext.plan, result)
+            if splice_setup:
+                result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl),
+                                        result)
+        except SynthesisError as e:
+            sim = _extrapolated_simulation(ext, inputs.alloc_config, built.overheads)
+            total = sim.peak_reserved_bytes + built.overheads.outside_allocator_bytes
+            capacity = inputs.gpu.capacity_bytes
+            # Too close to call from an extrapolation: the full trace decides.
+            if abs(total - capacity) <= FAST_VERDICT_BAND * capacity:
+                return None
+            extrapolated = sim, total <= capacity
+            notes.append(f"fast mode extrapolated the allocator's peaks per layer, as the full event "
+                         f"stream could not be built ({e}): reserved may be off by up to "
+                         f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure")
+            if splice_setup:
+                notes.append("the setup phase (loading the weights) is not in these extrapolated peaks; "
+                             "drop --fast to include it")
+    return _Traced(result=result, fast=True, host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes),
+                   extrapolated=extrapolated)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Replayed:
+    """The traced step through the simulated caching allocator (:func:`_replay`)."""
+
+    sim: AllocatorResult
+    fits: bool
+    timeline: list[tuple[int, Phase, int]]  # the trace's, thinned
+    memory_timeline: list[tuple[int, str, int, int]]  # the replay's, thinned
+    setup: tuple[int, int] | None  # allocated and reserved at the end of the setup phase
+
+
+def _replay(traced: _Traced, inputs: _Inputs, built: _Built) -> _Replayed:
+    """Step 4: the trace's events (the cuBLAS workspaces inserted) through
+    the caching allocator, replayed again under the capacity where it
+    exceeds it (:func:`simulate_trace`), and the setup phase's peaks; fast
+    mode's extrapolated peaks as they are."""
+    if traced.extrapolated is not None:
+        sim, fits = traced.extrapolated
+        return _Replayed(sim=sim, fits=fits, timeline=[], memory_timeline=[], setup=None)
+    sim, fits = simulate_trace(traced.result, inputs.alloc_config, built.overheads, inputs.gpu.capacity_bytes,
+                               timeline_points=_TIMELINE_POINTS)
+    return _Replayed(sim=sim, fits=fits, timeline=_thin(traced.result.timeline, _TIMELINE_POINTS),
+                     memory_timeline=sim.timeline,
+                     setup=setup_peaks(traced.result, inputs.alloc_config, built.overheads))
+
+
+def _assemble(model: Any, inputs: _Inputs, built: _Built, traced: _Traced, replayed: _Replayed, *,
+              seconds: float) -> Estimate:
+    """Step 5: the :class:`Estimate` from the steps' results: the device total
+    is the reserved peak, plus the overheads outside the allocator, plus the
+    paged optimizer states; the host total adds the process' own baseline."""
+    full, result, sim, overheads, wl = built.model, traced.result, replayed.sim, built.overheads, inputs.workload
     return Estimate(
         model=_describe(model),
         model_class=type(full.get_base_model() if hasattr(full, "get_base_model") else full).__name__,
         workload=wl,
-        params=params,
-        trainable_params=trainable,
-        num_layers=depth,
-        gpu=target.name,
-        capacity_bytes=capacity,
+        params=built.params,
+        trainable_params=built.trainable_params,
+        num_layers=built.num_layers,
+        gpu=inputs.gpu.name,
+        capacity_bytes=inputs.gpu.capacity_bytes,
         peak_tensor_bytes=result.peak_bytes,
         peak_allocated_bytes=sim.peak_allocated_bytes,
         peak_reserved_bytes=sim.peak_reserved_bytes,
-        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes + paged,
-        fits=fits,
+        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes + built.paged_bytes,
+        fits=replayed.fits,
         overheads=overheads,
         fragmentation=sim.fragmentation,
         alloc_retries=sim.num_alloc_retries,
-        alloc_conf=config.to_env(),
+        alloc_conf=inputs.alloc_config.to_env(),
         peak_phase=result.peak_phase,
         peak_module=result.peak_module,
         breakdown=result.breakdown,
         phase_peaks=result.phase_peaks,
-        timeline=timeline,
-        fast=fast,
-        seconds=time.perf_counter() - t0,
-        memory_timeline=memory_timeline,
-        paged_bytes=paged,
-        host_peak_bytes=host_peak,
-        host_bytes=host_peak + process_baseline_bytes(),
-        host_capacity_bytes=host_cap.node_bytes,
-        host_memory_source=host_cap.source,
-        notes=_notes(model_config, wl) + fast_notes + tuple(dict.fromkeys(accum_notes)),
-        setup_allocated_bytes=None if setup is None else setup[0],
-        setup_reserved_bytes=None if setup is None else setup[1],
+        timeline=replayed.timeline,
+        fast=traced.fast,
+        seconds=seconds,
+        memory_timeline=replayed.memory_timeline,
+        paged_bytes=built.paged_bytes,
+        host_peak_bytes=traced.host_peak_bytes,
+        host_bytes=traced.host_peak_bytes + process_baseline_bytes(),
+        host_capacity_bytes=inputs.host.node_bytes,
+        host_memory_source=inputs.host.source,
+        notes=_notes(built.config, wl) + traced.notes,
+        setup_allocated_bytes=None if replayed.setup is None else replayed.setup[0],
+        setup_reserved_bytes=None if replayed.setup is None else replayed.setup[1],
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -12,6 +13,8 @@ import torch
 from llmem_plugin.errors import ConfigError
 
 __all__ = [
+    "BNB_NEWEST_READ",
+    "BNB_OLDEST_READ",
     "MAX_GRAD_ACCUM_STEPS",
     "ActivationOffload",
     "AttentionImpl",
@@ -21,8 +24,10 @@ __all__ = [
     "Precision",
     "Quantization",
     "Runner",
+    "Task",
     "Workload",
     "parse_precision",
+    "resolve_bnb_version",
 ]
 
 
@@ -223,6 +228,18 @@ class Runner(str, Enum):
     PLAIN_LOOP = "plain-loop"
 
 
+class Task(str, Enum):
+    """What the model is trained for (``Workload.task``); which class each
+    task builds and what its batch holds is :mod:`llmem_plugin.models.tasks`."""
+
+    CAUSAL_LM = "causal-lm"
+    SEQ_CLS = "seq-cls"
+    TOKEN_CLS = "token-cls"
+    SEQ2SEQ = "seq2seq"
+    IMAGE_TEXT = "image-text-to-text"
+    MASKED_LM = "masked-lm"
+
+
 # peft's LoraConfig field names -> LoraSpec's.
 _LORA_KEYS = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "targets": "target_modules"}
 # LoraSpec.adapter_dtype: peft's autocast_adapter_dtype on (fp32) or off (base).
@@ -335,6 +352,49 @@ MAX_GRAD_ACCUM_STEPS = 2**63 - 1
 _KBIT_PREPARE = ("on", "off", "norms-only")
 # The dtypes bitsandbytes' quantize_4bit takes (functional.py: fp16, bf16, fp32).
 _QUANTIZED_FROM = ("fp16", "bf16", "fp32")
+# How the weights reach the GPU (llmem_plugin.trace.loading models each).
+_LOADS = ("direct", "fp32-cast")
+# The 16-bit dtypes ``--load fp32-cast`` casts to.
+_HALF = (torch.float16, torch.bfloat16)
+
+# The bitsandbytes releases whose 4-bit training path was read (the tags 0.41.0 to
+# 0.50.1 and the installed 0.50.2 of the sources llmem_plugin.techniques.quant
+# cites as [B]): older ones are refused, newer ones are modelled as the newest
+# read, which the report says.
+BNB_OLDEST_READ = (0, 41, 0)
+BNB_NEWEST_READ = (0, 50, 2)
+
+_BNB_VERSION = re.compile(r"(\d{1,3})\.(\d{1,3})(?:\.(\d{1,3}))?(?:[.+-]?[a-z0-9.+-]*)?", re.IGNORECASE)
+
+
+def _version_text(v: tuple[int, int, int]) -> str:
+    return ".".join(map(str, v))
+
+
+def resolve_bnb_version(text: str | None) -> str:
+    """The bitsandbytes version a QLoRA workload runs, as ``"X.Y.Z"``.
+
+    Args:
+        text: A version (``"0.42.0"``); None: the newest read. The default
+            does not follow the installed release, so an estimate (and a
+            re-validation of a recorded row) is the same on every machine;
+            the adapters pass :func:`llmem_plugin.techniques.quant.installed_bnb_version`
+            for the job they run in.
+
+    Raises:
+        ConfigError: Not a version, or older than the oldest read.
+    """
+    if text is None:
+        return _version_text(BNB_NEWEST_READ)
+    m = _BNB_VERSION.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ConfigError(f"--bnb-version {text!r} is not a bitsandbytes version. HINT: e.g. --bnb-version 0.45.5")
+    v = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    if v < BNB_OLDEST_READ:
+        raise ConfigError(f"--bnb-version {text} is older than {_version_text(BNB_OLDEST_READ)}, the oldest "
+                          "bitsandbytes whose 4-bit path is modelled. HINT: pass a version from "
+                          f"{_version_text(BNB_OLDEST_READ)} on")
+    return _version_text(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,7 +432,7 @@ class Workload:
             ``BitsandbytesPrecision`` quantizes from fp16.
         bnb_version: With ``quantize``, the bitsandbytes release the job runs
             (``"0.42.0"``); None: the newest read, 0.50.2 (the adapters pass
-            the installed one; :func:`llmem_plugin.techniques.quant.resolve_bnb_version`).
+            the installed one; :func:`resolve_bnb_version`).
         loss: See :class:`LossImpl`.
         logits_to_keep: Compute logits and loss for only the last this many
             tokens of each sequence (0: all), as ``logits_to_keep`` does.
@@ -401,7 +461,7 @@ class Workload:
         target_len: Tokens per target sequence of an encoder-decoder
             (seq2seq) model, whose ``seq_len`` is the source length; None:
             ``seq_len``. Other models have no target sequence.
-        task: What the model is trained for (:class:`llmem_plugin.models.tasks.Task`:
+        task: What the model is trained for (:class:`Task`:
             ``causal-lm``, ``seq-cls``, ``token-cls``, ``seq2seq``,
             ``image-text-to-text``, ``masked-lm``); None: the class the
             config's ``architectures`` names.
@@ -473,6 +533,21 @@ class Workload:
     packed_boundaries: str = "collator"
 
     def __post_init__(self) -> None:
+        # The order of the steps is the order of the checks: a workload with
+        # several bad options is refused for the first of them.
+        self._check_packing()
+        self._check_sizes()
+        self._check_checkpointing()
+        self._check_task_inputs()
+        self._check_accumulation_limit()
+        self._coerce_choices()
+        self._check_quantization()
+        self._check_cross_options()
+        self._check_step_options()
+        self._check_load()
+
+    def _check_packing(self) -> None:
+        """The packed-batch options: a known boundary source, and a document count the batch can hold."""
         from llmem_plugin.techniques.packing import BOUNDARIES
 
         if self.packed_boundaries not in BOUNDARIES:
@@ -487,6 +562,9 @@ class Workload:
             raise ConfigError(f"packed_docs must be an integer from 1 to the micro-batch's {self.micro_batch_size} x "
                               f"{self.seq_len} tokens, got {self.packed_docs!r}. HINT: pass --packed-docs N, the "
                               "documents in one packed micro-batch")
+
+    def _check_sizes(self) -> None:
+        """The counts that shape the step are positive integers."""
         for name, flag in (("seq_len", "--seq-len"), ("micro_batch_size", "--batch-size"),
                            ("grad_accum_steps", "--grad-accum")):
             value = getattr(self, name)
@@ -496,6 +574,10 @@ class Workload:
                 or self.checkpoint_every <= 0:
             raise ConfigError(f"checkpoint_every must be a positive integer, got {self.checkpoint_every!r}. "
                               "HINT: pass --checkpoint-every K with K >= 1 (1: every layer)")
+
+    def _check_checkpointing(self) -> None:
+        """The checkpointing options need checkpointing on, and agree with each other;
+        the save-ops spec is normalised (:mod:`llmem_plugin.techniques.checkpointing`)."""
         if self.checkpoint_every > 1 and not self.grad_checkpointing:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} picks which layers gradient checkpointing "
                               "recomputes, but checkpointing is off. HINT: add --grad-checkpointing")
@@ -513,6 +595,9 @@ class Workload:
             if not self.grad_checkpointing:
                 raise ConfigError(f"--checkpoint-save-ops {self.checkpoint_save_ops} picks what checkpointed layers "
                                   "keep, but checkpointing is off. HINT: add --grad-checkpointing")
+
+    def _check_task_inputs(self) -> None:
+        """The image count and target length are positive; the task is one of :class:`Task`'s."""
         if self.images is not None and (
                 isinstance(self.images, bool) or not isinstance(self.images, int) or self.images <= 0):
             raise ConfigError(f"images must be a positive integer, got {self.images!r}. "
@@ -522,13 +607,17 @@ class Workload:
             raise ConfigError(f"target_len must be a positive integer, got {self.target_len!r}. "
                               "HINT: pass --target-len N with N >= 1 (seq2seq models only)")
         if self.task is not None:
-            from llmem_plugin.models.tasks import Task
-
             object.__setattr__(self, "task", _choice(Task, self.task, "task", "--task").value)
+
+    def _check_accumulation_limit(self) -> None:
+        """``grad_accum_steps`` fits the int64 the loss is divided by (:data:`MAX_GRAD_ACCUM_STEPS`)."""
         if self.grad_accum_steps > MAX_GRAD_ACCUM_STEPS:
             raise ConfigError(
                 f"grad_accum_steps {self.grad_accum_steps} exceeds {MAX_GRAD_ACCUM_STEPS:,}: the loss is divided "
                 "by it as a 64-bit integer scalar. HINT: pass --grad-accum N with N <= 2**63 - 1")
+
+    def _coerce_choices(self) -> None:
+        """The LoRA spec and the named choices, from the names and forms the API takes."""
         object.__setattr__(self, "lora", LoraSpec.coerce(self.lora))
         object.__setattr__(self, "precision", parse_precision(self.precision))
         object.__setattr__(self, "optimizer", _choice(OptimizerKind, self.optimizer, "optimizer", "--optimizer"))
@@ -537,6 +626,10 @@ class Workload:
         )
         object.__setattr__(self, "runner", _choice(Runner, self.runner, "runner", "--runner"))
         object.__setattr__(self, "loss", _choice(LossImpl, self.loss, "loss", "--loss"))
+
+    def _check_quantization(self) -> None:
+        """The quantization options: LoRA over quantized weights, the k-bit preparation
+        (filled in per recipe), the options of quantized weights only, the bitsandbytes release."""
         if self.quantize is not None:
             object.__setattr__(self, "quantize", _choice(Quantization, self.quantize, "quantization", "--quantize"))
             if self.lora is None:
@@ -565,12 +658,14 @@ class Workload:
             # of a QLoRA workload without them drops it); the CLI refuses --bnb-version alone.
             object.__setattr__(self, "bnb_version", None)
         elif not torchao:
-            from llmem_plugin.techniques.quant import resolve_bnb_version
-
             object.__setattr__(self, "bnb_version", resolve_bnb_version(self.bnb_version))
             if self.quantized_from is not None and self.quantized_from not in _QUANTIZED_FROM:
                 raise ConfigError(f"--quantized-from {self.quantized_from!r} is not a dtype bitsandbytes quantizes "
                                   f"from; valid: {', '.join(_QUANTIZED_FROM)}. HINT: e.g. --quantized-from fp16")
+
+    def _check_cross_options(self) -> None:
+        """Options valid alone but not together: a quantized head under a loss that reads its
+        weight, TRL's fused DPO loss on an odd batch, double quantization without 4-bit weights."""
         if self.quantize_lm_head and self.loss in (LossImpl.LIGER, LossImpl.CCE, LossImpl.TRL_FUSED):
             raise ConfigError(f"--loss {self.loss.value} multiplies by lm_head.weight itself, which --quantize-lm-head "
                               "packs into 4 bits. HINT: use --loss chunked or hf, or drop --quantize-lm-head")
@@ -580,6 +675,10 @@ class Workload:
                               "HINT: pass --batch-size 2 x pairs")
         if self.double_quant and self.quantize not in (Quantization.NF4, Quantization.FP4):
             raise ConfigError("--double-quant applies to 4-bit weights only. HINT: pass --quantize nf4 or fp4")
+
+    def _check_step_options(self) -> None:
+        """What the forward keeps and returns: the activation offload, the loss's options,
+        the output cast, the logits kept."""
         if self.offload_activations is not None:
             object.__setattr__(self, "offload_activations", _choice(
                 ActivationOffload, self.offload_activations, "activation offload", "--offload-activations"))
@@ -597,9 +696,18 @@ class Workload:
         if self.logits_to_keep > self.seq_len:
             raise ConfigError(f"logits_to_keep {self.logits_to_keep} exceeds seq_len {self.seq_len}. "
                               "HINT: pass --logits-to-keep N with N <= --seq-len, or 0 for all tokens")
-        from llmem_plugin.trace.loading import check as check_load
 
-        check_load(self)
+    def _check_load(self) -> None:
+        """The load settings the setup phase models (:mod:`llmem_plugin.trace.loading`)."""
+        if self.load not in _LOADS:
+            raise ConfigError(f"unsupported load {self.load!r}; valid: {', '.join(_LOADS)}. HINT: pass --load with "
+                              "one of them")
+        if self.load == "fp32-cast" and self.quantize is not None:
+            raise ConfigError("--load fp32-cast with --quantize: quantized models load through their quantizer, "
+                              "not a cast. HINT: drop --load")
+        if self.load == "fp32-cast" and self.precision.param_dtype not in _HALF:
+            raise ConfigError(f"--load fp32-cast casts the weights to a 16-bit dtype, but --precision "
+                              f"{self.precision.value} trains in fp32. HINT: --precision bf16, or drop --load")
 
     def _check_torchao(self) -> None:
         """What torchtune's QLoRA (torchao NF4, llmem_plugin.techniques.nf4) does not take, refused in one line."""

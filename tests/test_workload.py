@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, main
+from llmem_plugin.cli.app import main
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.workload import (
     MAX_GRAD_ACCUM_STEPS,

@@ -100,7 +100,7 @@ def case_config(model: str, overrides: dict[str, Any] | None = None):
     The config is rebuilt from the merged fields (rather than patched with
     setattr) so derived fields such as ``head_dim`` follow the overrides; a
     shorter layer count also cuts ``layer_types`` (as
-    ``llmem_plugin.models.modelbuild.set_num_layers`` does). ``llmem validate`` uses
+    ``llmem_plugin.models.config.set_num_layers`` does). ``llmem validate`` uses
     this with a row's ``model`` and ``config_overrides``.
     """
     return catalog.load_config(model, overrides)

@@ -60,7 +60,7 @@ from benchmarks.groundtruth.matrix import Case
 
 __all__ = ["STUB_GPU", "run_case", "worker_case"]
 
-# The GPU whose properties the stub reports (llmem_plugin/models/catalog/gpus.json);
+# The GPU whose properties the stub reports (llmem_plugin/device/gpus.json);
 # `llmem validate` predicts stub rows for the GPU the row names.
 STUB_GPU = "h100-sxm"
 _MODULE = "benchmarks.groundtruth.run"

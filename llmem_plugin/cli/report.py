@@ -4,210 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from llmem_plugin.estimate import Estimate
-from llmem_plugin.trace.tracker import MemoryCategory, Phase
+from llmem_plugin.summary import adapter_dtype as _adapter_dtype, checkpointing_policy, gib, qlora_path
+from llmem_plugin.summary import host_line as _host_line
 from llmem_plugin.verify.validate import METRICS, ValidationReport
 
 __all__ = [
-    "gib",
-    "render_estimate",
+    "plan_rows",
     "render_gpus",
     "render_methods",
     "render_models",
     "render_plan",
+    "render_published",
+    "render_recipe",
     "render_validation",
+    "render_varlen",
 ]
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
-
-
-def gib(nbytes: int) -> str:
-    """``nbytes`` as GiB with two decimals."""
-    return f"{nbytes / _GIB:,.2f}"
-
-
-def _count(n: int) -> str:
-    for unit, div in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
-def checkpointing_policy(wl) -> str:
-    """What the traced step's layers keep for backward, in words."""
-    if not wl.grad_checkpointing:
-        return "none (every layer keeps its activations)"
-    which = f"every {wl.checkpoint_every}th layer" if wl.checkpoint_every > 1 else "every layer"
-    if wl.checkpoint_save_ops is None:
-        return f"{which} recomputed in full (keeps only its input)"
-    from llmem_plugin.techniques.checkpointing import parse_save_ops
-
-    return f"{which} op-level selective: {parse_save_ops(wl.checkpoint_save_ops).describe()}"
-
-
-def qlora_path(wl) -> str:
-    """How the traced job quantizes its base weights, in words (llmem_plugin.techniques.quant)."""
-    from llmem_plugin.techniques.quant import bnb_modelled_as, bnb_tuple
-
-    if not wl.quantize.bitsandbytes:
-        return ("torchao NF4 base (torchtune: attention and MLP weights, scalers quantized too; each matmul "
-                "dequantizes its weight); the output projection and every other parameter keep their dtype")
-    version = f"bitsandbytes {wl.bnb_version}"
-    newer = bnb_modelled_as(wl.bnb_version)
-    if newer:
-        version += f" (newer than the newest read: modelled as {newer})"
-    elif bnb_tuple(wl.bnb_version) < (0, 43, 2):
-        version += " (each 4-bit matmul keeps its input until the loss is freed)"
-    head = "the LM head quantized too" if wl.quantize_lm_head else "the LM head kept 16-bit"
-    if wl.quantized_from is not None:
-        head += f"; quantized from {wl.quantized_from} (each dequantized weight cast to the compute dtype)"
-    prep = {"on": "peft's k-bit preparation: every other parameter fp32",
-            "off": "no k-bit preparation: other parameters keep their dtype",
-            "norms-only": "norm weights fp32, other parameters keep their dtype"}[wl.kbit_prepare]
-    return f"{wl.quantize.value}{' + double quant' * wl.double_quant} base, {version}; {head}; {prep}"
-
-
-def load_path(wl) -> str:
-    """How the traced job's weights reach the GPU, in words (llmem_plugin.trace.loading)."""
-    if wl.quantize is not None and not wl.quantize.bitsandbytes:
-        return "NF4 weights placed as stored (torchao's to_nf4 on load not modelled: see the note)"
-    if wl.quantize is not None:
-        prep = {"on": ", then k-bit preparation casts the other weights to fp32",
-                "norms-only": ", then the norm weights are cast to fp32"}.get(wl.kbit_prepare, "")
-        return f"weights quantized on load by bitsandbytes, each arriving 16-bit first{prep}"
-    if wl.load == "fp32-cast":
-        return "weights materialised in fp32, then cast to their training dtype one by one"
-    return "weights loaded once each in their training dtype"
-
-
-def batch_layout(wl) -> str:
-    """How the traced micro-batch lays out its tokens, in words."""
-    tokens = wl.micro_batch_size * wl.seq_len
-    if wl.packed_docs is None:
-        return f"{wl.micro_batch_size} x {wl.seq_len} tokens, padded"
-    return (f"one padding-free packed row of {tokens} tokens ({wl.micro_batch_size} x {wl.seq_len}) holding "
-            f"{wl.packed_docs} documents, their boundaries passed to flash attention's varlen kernel")
-
-
-def loss_path(est: Estimate) -> str:
-    """How the traced step computed its loss, in words (llmem_plugin.techniques.loss)."""
-    wl = est.workload
-    if est.model.startswith("litgpt:"):  # llmem_plugin.models.litgpt: litgpt's scripts compute their own loss
-        from llmem_plugin.models.litgpt import loss_path as litgpt_loss_path
-
-        return litgpt_loss_path(wl)
-    if est.model_class and not est.model_class.endswith(("ForCausalLM", "LMHeadModel")):
-        return f"{est.model_class}'s own loss"  # other tasks: their forward's loss, as traced
-    path = _loss_path(wl)
-    if wl.outputs_to_fp32:  # Lightning Fabric's convert_output (Workload.outputs_to_fp32)
-        path += "; the model's outputs cast to fp32 by the loop's wrapper (Lightning Fabric)"
-    return path
-
-
-def _loss_path(wl) -> str:
-    keep = f" on the last {wl.logits_to_keep} tokens" if wl.logits_to_keep else ""
-    if wl.loss.value == "cce":
-        return "Cut Cross-Entropy (cut-cross-entropy: no logits; lse, positions and the vocabulary order only)"
-    if wl.loss.value == "liger":
-        return "liger-kernel fused linear cross-entropy (no full logits)"
-    if wl.loss.value == "trl-fused":
-        return ("TRL 1.16's fused LM head (the valid labels' hidden states gathered, 4096 x 32768 logit tiles, fp32 "
-                "gradient accumulators; no full logits)")
-    if wl.loss.value == "chunked":
-        each = "each chunk's logits upcast to fp32" if wl.loss_chunk_upcast else "no fp32 upcast"
-        return f"chunked cross-entropy over {wl.loss_chunks} sequence chunks, {each}"
-    if wl.loss.value == "no-upcast":
-        return f"cross-entropy on the full logits in their own dtype (no fp32 copy){keep}"
-    # transformers' ForCausalLMLoss (loss/loss_utils.py): logits.float(), then cross-entropy.
-    return f"the model's own loss (transformers' ForCausalLMLoss: full logits upcast to fp32){keep}"
-
-
-def _adapter_dtype(wl) -> str:
-    """The LoRA adapters' dtype where it is not peft's fp32 default on a 16-bit model."""
-    if wl.lora.adapter_dtype == "base" and wl.precision.param_dtype != torch.float32:
-        return f" ({str(wl.precision.param_dtype).removeprefix('torch.')} adapters)"
-    return ""
-
-
-def render_estimate(est: Estimate, console: Console) -> None:
-    """Print the breakdown at the peak of ``est``."""
-    wl = est.workload
-    lora = f", LoRA r={wl.lora.rank}{_adapter_dtype(wl)}" if wl.lora else ""
-    if wl.quantize is not None:  # QLoRA: the quantization and what k-bit preparation upcast
-        lora += f", {wl.quantize.value}{'+dq' * wl.double_quant} base (k-bit preparation {wl.kbit_prepare})"
-    every = f" every {wl.checkpoint_every} layers" if wl.checkpoint_every > 1 else ""
-    if wl.checkpoint_save_ops is not None:
-        every += f", op-level SAC ({wl.checkpoint_save_ops})"
-    gc = f", grad checkpointing{every}" if wl.grad_checkpointing else ""
-    cls = f" ({est.model_class})" if est.model_class else ""
-    title = (
-        f"{est.model}{cls}: {_count(est.params)} params ({_count(est.trainable_params)} trainable), "
-        f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
-    )
-    console.print(title)
-    table = Table()
-    table.add_column("tensors at the peak", style="bold")
-    table.add_column("GiB", justify="right")
-    for cat in MemoryCategory:
-        if cat is MemoryCategory.HOST:
-            continue
-        table.add_row(cat.value, gib(est.breakdown.get(cat, 0)))
-    table.add_section()
-    table.add_row("peak tensors", gib(est.peak_tensor_bytes))
-    table.add_row("peak phase", est.peak_phase.value)
-    if est.peak_module:
-        table.add_row("active module", est.peak_module)
-    console.print(table)
-    ov = est.overheads
-    per_gpu = Table(title=f"per GPU ({est.gpu}, {gib(est.capacity_bytes)} GiB)", title_justify="left")
-    per_gpu.add_column("", style="bold")
-    per_gpu.add_column("GiB", justify="right")
-    per_gpu.add_column("what torch / nvidia-smi calls it")
-    per_gpu.add_row("allocated", gib(est.peak_allocated_bytes), "torch.cuda.max_memory_allocated")
-    per_gpu.add_row("reserved", gib(est.peak_reserved_bytes), "torch.cuda.max_memory_reserved")
-    per_gpu.add_row("device total", gib(est.device_total_bytes), "nvidia-smi used memory")
-    per_gpu.add_section()
-    per_gpu.add_row("cuBLAS workspaces", gib(ov.num_cublas_workspaces * ov.cublas_workspace_bytes
-                                             + ov.cublaslt_workspace_bytes), "inside allocated")
-    per_gpu.add_row("CUDA context", gib(ov.cuda_context_bytes), "outside the allocator")
-    if ov.nccl_bytes:
-        per_gpu.add_row("NCCL buffers", gib(ov.nccl_bytes), "outside the allocator")
-    if est.paged_bytes:
-        per_gpu.add_row("paged optimizer states", gib(est.paged_bytes), "CUDA managed memory, evictable to host")
-    verdict = "fits" if est.fits else "does NOT fit"
-    headroom = est.capacity_bytes - est.device_total_bytes
-    per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
-    console.print(per_gpu)
-    if est.alloc_retries:
-        console.print(f"at this capacity the allocator frees its cached blocks and retries {est.alloc_retries} "
-                      "time(s) per run (torch's num_alloc_retries): reserved is the replay capped at the GPU's "
-                      "memory, and those retries cost time")
-    if wl.offload_activations is not None:
-        console.print(f"pinned host memory ({wl.offload_activations.value} activation offload): "
-                      f"{gib(est.host_peak_bytes)} GiB")
-    if est.host_bytes:
-        console.print(_host_line(est.host_bytes, est.host_capacity_bytes, est.host_memory_source,
-                                 what=f"host (CPU) RAM of the process: {gib(est.host_bytes)} GiB "
-                                      f"({gib(est.host_bytes - est.host_peak_bytes)} GiB framework and CUDA context)"))
-    console.print(f"loss path: {loss_path(est)}")
-    if wl.packed_docs is not None:
-        console.print(f"batch: {batch_layout(wl)}")
-    console.print(f"activation checkpointing: {checkpointing_policy(wl)}")
-    if wl.quantize is not None:
-        console.print(f"QLoRA: {qlora_path(wl)}")
-    if est.setup_allocated_bytes is not None:
-        console.print(f"setup ({load_path(wl)}): {gib(est.setup_allocated_bytes)} GiB allocated, "
-                      f"{gib(est.setup_reserved_bytes)} GiB reserved before step 1; the peaks above include it")
-    phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
-    mode = "fast (layer-extrapolated)" if est.fast else "full trace"
-    console.print(f"per-phase peaks (GiB): {phases}")
-    for note in est.notes:
-        console.print(f"note: {note}", markup=False)  # notes quote TOML sections, "[parallelism]"
-    console.print(f"{mode}, {est.seconds:.2f} s")
 
 
 def render_models(rows: Sequence[dict], console: Console) -> None:
@@ -323,12 +139,29 @@ def render_validation(report: ValidationReport, console: Console) -> None:
                       f"{report.num_stub_exact} of {len(stub)}")
 
 
-def _host_line(need: int, capacity: int, source: str, *, what: str) -> str:
-    """``what`` followed by the node's RAM, where it comes from, and the host verdict."""
-    if not capacity:
-        return what
-    verdict = "fits" if need <= capacity else "does NOT fit"
-    return f"{what}; node RAM {gib(capacity)} GiB ({source}): {verdict}"
+
+def render_published(result: dict, console: Console) -> None:
+    """Print ``llmem validate --published``: per metric, each modelled row's measured and predicted GiB and the
+    signed error, then the pooled reserved summary, the refused rows and the count not modelled."""
+    def stats(what: str, s: dict) -> str:
+        return (f"{what}: {s['rows']} rows, mean |err| {s['mean_abs_pct']:.1f}%, mean signed "
+                f"{s['mean_signed_pct']:+.1f}%, max |err| {s['max_abs_pct']:.1f}%")
+
+    for metric, s in result["summary"].items():
+        table = Table(title=stats(metric, s))
+        for col in ("id", "measured GiB", "predicted GiB", "error"):
+            table.add_column(col, overflow="fold")
+        for r in result["rows"]:
+            if r["metric"] == metric and r["error_pct"] is not None:
+                table.add_row(r["id"], f"{r['measured'] / 2**30:.2f}", f"{r['predicted'] / 2**30:.2f}",
+                              f"{r['error_pct']:+.1f}%")
+        console.print(table)
+    if result["reserved_pooled"]:
+        console.print(stats("reserved memory, both metrics", result["reserved_pooled"]))
+    refused = [r for r in result["rows"] if r["status"] == "modelled" and r["error"]]
+    for r in refused:
+        console.print(f"refused: {r['id']}: {r['error']}")
+    console.print(f"{result['unsupported']} rows not modelled (their reasons: --json, or the file's 'why')")
 
 
 def _method_host(est, host) -> str:
@@ -370,7 +203,7 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
         console.print(f"{name}: not applicable ({why})", markup=False)
 
 
-def _plan_rows(plan, show_all: bool) -> list:
+def plan_rows(plan, show_all: bool) -> list:
     """Fitting candidates fastest first, then the closest that do not fit."""
     fit = [c for c in plan.candidates if c.fits]
     over = plan.closest(len(plan.candidates) if show_all else 5)
@@ -401,7 +234,7 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
                           ("GiB/GPU", "right"), ("free GiB", "right"), ("host GiB/node", "right"), ("step s", "right"),
                           ("tokens/s", "right"), ("memory", "left")):
         table.add_column(name, justify=justify)
-    for c in _plan_rows(plan, show_all):
+    for c in plan_rows(plan, show_all):
         chosen = c is plan.choice
         table.add_row(
             "*" if chosen else ("" if c.fits else "x"),

@@ -1,6 +1,6 @@
 """The GPU catalog: memory, peak throughput and interconnect of common NVIDIA GPUs.
 
-The figures live in ``catalog/gpus.json`` (package data, read once through
+The figures live in ``device/gpus.json`` (package data, read once through
 :mod:`importlib.resources`), one entry per GPU with the datasheet or
 whitepaper each number comes from in its ``source`` field. Conventions, also
 stated at the top of that file:
@@ -165,7 +165,7 @@ def _normalize(name: str) -> str:
 
 @functools.cache
 def _catalog() -> dict[str, GPU]:
-    path = resources.files("llmem_plugin.models.catalog").joinpath("gpus.json")
+    path = resources.files("llmem_plugin.device").joinpath("gpus.json")
     raw = json.loads(path.read_text(encoding="utf-8"))
     gpus: dict[str, GPU] = {}
     for name, e in raw["gpus"].items():
@@ -356,13 +356,13 @@ def resolve_gpu(name: str | None, memory: str | None, *, default: str = _DEFAULT
 # ----------------------------------------------------------------- host RAM defaults
 @functools.cache
 def _host_memory_catalog() -> dict[str, dict[str, Any]]:
-    path = resources.files("llmem_plugin.models.catalog").joinpath("gpus.json")
+    path = resources.files("llmem_plugin.device").joinpath("gpus.json")
     return json.loads(path.read_text(encoding="utf-8"))["host_memory"]["gpus"]
 
 
 def host_memory_default(name: str, gpus_per_node: int) -> tuple[int, str]:
     """Host RAM of a node of ``gpus_per_node`` catalog GPUs when none is given:
-    the cloud instance ``catalog/gpus.json`` lists for that GPU count (rule in
+    the cloud instance ``device/gpus.json`` lists for that GPU count (rule in
     its ``host_memory.units``).
 
     Args:

@@ -84,7 +84,7 @@ def estimate_method(
 
     check_supported(name, workload)
     if mod != "single":
-        from llmem_plugin.models.tasks import require_causal_lm
+        from llmem_plugin.models.config import require_causal_lm
 
         require_causal_lm(model, f"--method {name}", workload.task)
     from llmem_plugin.trace.step import MAX_TRACED_MICRO_STEPS
@@ -165,11 +165,11 @@ def _per_phase(d1: dict[str, int], d2: dict[str, int], scale: float) -> dict[str
 def _shortened(config: Any, min_layers: int) -> tuple[Any, Any, Any, str | None]:
     """The layer plan and the two shortened configs; (None, None, None, note)
     when the model itself is to run (the note says why, where it is worth saying)."""
-    from llmem_plugin.models import modelbuild
+    from llmem_plugin.models.config import num_layers
     from llmem_plugin.trace.fast import fallback_note
     from llmem_plugin.models.layerkinds import layer_kinds, plan_layers, shortened_config
 
-    depth = modelbuild.num_layers(config)
+    depth = num_layers(config)
     # The same cut as the single-GPU fast mode: the model's own prefix and
     # suffix around a and a + 1 repeating periods (llmem_plugin.models.layerkinds).
     kinds, reason = layer_kinds(config)
@@ -211,16 +211,16 @@ def extrapolated(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_b
     the longer run's worst rank, extrapolated with the same rank of the
     shorter run.
     """
-    from llmem_plugin.models import modelbuild
+    from llmem_plugin.models.config import num_layers, resolve_config
 
-    config = modelbuild.resolve_config(model)
+    config = resolve_config(model)
     plan, c1, c2, note = _shortened(config, min_layers)
     if plan is None:
         full = run(config)
         return dataclasses.replace(full, notes=[*full.notes, note]) if note else full
     short = run(c1)
     long = run(c2)
-    return _combined(short, long, plan, modelbuild.num_layers(config), capacity_bytes=capacity_bytes)
+    return _combined(short, long, plan, num_layers(config), capacity_bytes=capacity_bytes)
 
 
 def _combined(short: MethodEstimate, long: MethodEstimate, plan: Any, depth: int, *, capacity_bytes: int,
@@ -282,11 +282,11 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
         The estimate, or why the stream could not be built (the caller then
         traces the model in full).
     """
-    from llmem_plugin.models import modelbuild
+    from llmem_plugin.models.config import num_layers, resolve_config
     from llmem_plugin.trace.fastsynth import SynthesisError, full_depth_trace
     from llmem_plugin.methods.base import capture, rank_memory
 
-    config = modelbuild.resolve_config(model)
+    config = resolve_config(model)
     plan, c1, c2, note = _shortened(config, min_layers)
     if plan is None:
         return note or "the model is too short to shorten"
@@ -308,7 +308,7 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
             return str(e)
         built.append(rank_memory(full, **kw))
     worst = max(built, key=lambda r: (r.device_total_bytes, -r.rank))
-    est = _combined(short, long, plan, modelbuild.num_layers(config), capacity_bytes=capacity_bytes, rank=worst.rank)
+    est = _combined(short, long, plan, num_layers(config), capacity_bytes=capacity_bytes, rank=worst.rank)
     # The breakdown at the peak, affine per period as the rest (the method's own categories: rank_memory's).
     w1, w2 = (next(r for r in e.ranks if r.rank == worst.rank) for e in (short, long))
     breakdown = _per_phase(w1.breakdown, w2.breakdown, plan.repeats - plan.traced)
@@ -319,5 +319,5 @@ def synthesized(model: Any, run: Callable[[Any], MethodEstimate], *, capacity_by
     n1, n2 = plan.short_layers, plan.long_layers
     notes = [n for n in est.notes if not n.startswith("fast: extrapolated")]
     notes.append(f"every rank's event stream was built from {n1}- and {n2}-layer traces to "
-                 f"{modelbuild.num_layers(config)} layers and replayed (guarded as the single-GPU fast mode)")
+                 f"{num_layers(config)} layers and replayed (guarded as the single-GPU fast mode)")
     return dataclasses.replace(est, ranks=[mem], notes=notes)

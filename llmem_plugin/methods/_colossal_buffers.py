@@ -4,22 +4,48 @@ Private to :mod:`llmem_plugin.methods.colossal`, whose docstring gives the
 rules (ColossalAI 0.5.0) and the known limitations. Buffers are allocated
 through :class:`llmem_plugin.methods._zero_buffers.Buffers` so that
 :func:`~llmem_plugin.methods._zero_buffers.breakdown` splits them out.
+:class:`ChunkPlan`, the chunk layout that
+:func:`~llmem_plugin.methods.colossal.plan_chunks` makes and :class:`Gemini`
+allocates, lives here, below the method module that imports this one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from llmem_plugin.methods._zero_buffers import Buffers
-from llmem_plugin.methods.colossal import ChunkPlan
-from llmem_plugin.methods.zero import ZeroCategory
+from llmem_plugin.methods._zero_buffers import Buffers, ZeroCategory
 from llmem_plugin.trace.tracker import MemoryCategory
 from llmem_plugin.workload import OptimizerKind
 
-__all__ = ["Gemini", "LowLevelZero"]
+__all__ = ["ChunkPlan", "Gemini", "LowLevelZero"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkPlan:
+    """One chunk: ``members`` are parameter indices (model order) with their
+    ``(offset, end)`` inside it."""
+
+    chunk_size: int
+    keep_gathered: bool
+    members: tuple[tuple[int, int, int], ...]
+
+    @property
+    def utilized(self) -> int:
+        return self.members[-1][2]
+
+    def shard_size(self, dp: int) -> int:
+        return self.chunk_size if self.keep_gathered else self.chunk_size // dp
+
+    def valid(self, dp: int, rank: int) -> int:
+        """Elements of real parameters in ``rank``'s shard (``Chunk.close_chunk`` ``valid_end``)."""
+        if self.keep_gathered:
+            return self.utilized
+        shard = self.chunk_size // dp
+        return max(0, min(self.utilized - shard * rank, shard))
 
 
 class _PreBackward(torch.autograd.Function):

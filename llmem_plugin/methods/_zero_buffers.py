@@ -8,6 +8,11 @@ place hooks where DeepSpeed places its own (``stage_1_and_2.py``;
 ``stage3.py``, ``parameter_offload.py``, ``partitioned_param_coordinator.py``)
 and allocate, reduce, gather and release in program order; :func:`breakdown`
 splits the buffers back out of the PARAMETER bucket at the peak.
+
+It also holds what the method module and the emulators share: the plan the
+buffers are sized from (``_Plan``, made by :mod:`~llmem_plugin.methods.zero`)
+and :class:`ZeroCategory`, the buffers' categories (ColossalAI's emulators
+label theirs with it too).
 """
 
 from __future__ import annotations
@@ -21,10 +26,59 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin.methods.zero import ZeroCategory, _Plan
 from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
+from llmem_plugin.workload import OptimizerKind
 
-__all__ = ["Buffers", "Zero3", "Zero12", "breakdown"]
+__all__ = ["Buffers", "Zero3", "Zero12", "ZeroCategory", "breakdown"]
+
+
+class ZeroCategory(str, Enum):
+    """DeepSpeed's own buffers, beside :class:`MemoryCategory`."""
+
+    MASTER_WEIGHTS = "fp32_master_weights"
+    FP32_GRADIENTS = "fp32_gradients"
+    BUCKETS = "buckets"
+    GATHERED_PARAMS = "gathered_parameters"
+
+
+# ----------------------------------------------------------------- the plan the buffers are sized from
+@dataclass
+class _Group:
+    """One ZeRO-1/2 flat group (stage_1_and_2.py, the per-group loop of __init__)."""
+
+    params: list[nn.Parameter]
+    aligned: int  # elements incl. padding
+    partition: int  # aligned // dp
+    in_partition: list[nn.Parameter]  # get_partition_info, for this rank
+
+
+@dataclass
+class _Plan:
+    """One rank's ZeRO plan (:func:`llmem_plugin.methods.zero._plan`): its groups, partitions and settings."""
+
+    stage: int
+    dp: int
+    rank: int
+    dtype: torch.dtype
+    cfg: Any  # the method's ZeroConfig (llmem_plugin.methods.zero, which imports this module)
+    optimizer: OptimizerKind
+    params: list[nn.Parameter]  # unique, model order
+    trainable: list[nn.Parameter]
+    groups: list[_Group]
+    persistent: set[int]  # ids of params kept whole (ZeRO-3)
+    sub_groups: list[list[nn.Parameter]]
+    decay_groups: list[list[nn.Parameter]] = dataclasses.field(default_factory=list)  # ZeRO-3 param groups
+
+    @property
+    def es(self) -> int:
+        return self.dtype.itemsize  # no tensor: under the tracer an empty one would count as an allocation
+
+    def part(self, p: nn.Parameter) -> int:
+        """ZeRO-3 partition elements (partition_parameters.py ``_aligned_size // world``)."""
+        return -(-p.numel() // self.dp)
+
+    def in_numel(self) -> int:
+        return sum(p.numel() for g in self.groups for p in g.in_partition)
 
 
 class Buffers:

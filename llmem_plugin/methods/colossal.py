@@ -91,6 +91,7 @@ from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import GPU
+from llmem_plugin.methods._colossal_buffers import ChunkPlan, Gemini, LowLevelZero
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
@@ -99,7 +100,6 @@ from llmem_plugin.workload import OptimizerKind, Precision, Workload
 __all__ = [
     "PRESETS",
     "ChunkConfig",
-    "ChunkPlan",
     "ColossalModelStates",
     "bucket_elems",
     "estimate",
@@ -203,30 +203,6 @@ def search_chunk_config(param_numels: list[int], *, dp: int, search_range_m: flo
             best, best_waste = size, waste
     best += -best % dp  # "the chunk size needs to be divided by each groups sizes" (lcm of one dp)
     return ChunkConfig(chunk_size=best, keep_gathered=False, total_numel=total, waste=best_waste)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkPlan:
-    """One chunk: ``members`` are parameter indices (model order) with their
-    ``(offset, end)`` inside it."""
-
-    chunk_size: int
-    keep_gathered: bool
-    members: tuple[tuple[int, int, int], ...]
-
-    @property
-    def utilized(self) -> int:
-        return self.members[-1][2]
-
-    def shard_size(self, dp: int) -> int:
-        return self.chunk_size if self.keep_gathered else self.chunk_size // dp
-
-    def valid(self, dp: int, rank: int) -> int:
-        """Elements of real parameters in ``rank``'s shard (``Chunk.close_chunk`` ``valid_end``)."""
-        if self.keep_gathered:
-            return self.utilized
-        shard = self.chunk_size // dp
-        return max(0, min(self.utilized - shard * rank, shard))
 
 
 def plan_chunks(param_numels: list[int], config: ChunkConfig, *, dp: int) -> list[ChunkPlan]:
@@ -451,7 +427,6 @@ def estimate(
     """
     from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import uses_cublaslt
-    from llmem_plugin.methods._colossal_buffers import Gemini, LowLevelZero
     from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.methods.zero import split_comm
     from llmem_plugin.device.overheads import device_overheads

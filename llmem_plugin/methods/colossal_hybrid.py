@@ -302,7 +302,7 @@ class _AmpOptimizer:
         self.optimizer: torch.optim.Optimizer | None = None
 
     def setup(self) -> None:
-        from llmem_plugin.methods.zero import ZeroCategory
+        from llmem_plugin.methods._zero_buffers import ZeroCategory
         from llmem_plugin.trace.step import make_optimizer
 
         if self.b.plan.es == 4:  # HybridParallelNaiveOptimizer: the params themselves
@@ -319,7 +319,7 @@ class _AmpOptimizer:
         pass
 
     def step(self) -> None:
-        from llmem_plugin.methods.zero import ZeroCategory
+        from llmem_plugin.methods._zero_buffers import ZeroCategory
         from llmem_plugin.trace.step import state_tensors
 
         if self.master is not self.trainable:
@@ -528,7 +528,7 @@ def estimate(
             plugin argument.
         TraceError: The step could not be traced.
     """
-    from llmem_plugin.models import modelbuild
+    from llmem_plugin.models.config import resolve_config
     from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.errors import LLMemError, TraceError
     from llmem_plugin.methods._zero_buffers import breakdown
@@ -537,7 +537,7 @@ def estimate(
     from llmem_plugin.methods.zero import build_training_model
     from llmem_plugin.device.overheads import device_overheads
 
-    config = getattr(model, "config", None) if isinstance(model, nn.Module) else modelbuild.resolve_config(model)
+    config = getattr(model, "config", None) if isinstance(model, nn.Module) else resolve_config(model)
     _check(config, workload, layout=layout, preset=preset, zero_stage=zero_stage, options=options)
     dtype = _dtype(workload, zero_stage)
     meta = build_training_model(model, workload, dtype)

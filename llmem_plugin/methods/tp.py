@@ -84,6 +84,7 @@ import torch
 from torch import nn
 
 from llmem_plugin.models import modelbuild
+from llmem_plugin.models.config import resolve_config
 from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import GPU, get_gpu
@@ -546,7 +547,7 @@ def estimate(
     config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
     # The plan is checked before building: other architectures may not even
     # build in this workload (e.g. MoE experts in bf16-mixed).
-    model_config = getattr(model, "config", None) if isinstance(model, nn.Module) else modelbuild.resolve_config(model)
+    model_config = getattr(model, "config", None) if isinstance(model, nn.Module) else resolve_config(model)
     _check(model_config, wl, layout=layout, preset=preset, data_parallel=data_parallel)
     built = modelbuild.build_model(model, wl, device="meta")
     vocab = int(built.config.vocab_size)

@@ -77,25 +77,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import GPU
+from llmem_plugin.methods._zero_buffers import Buffers, Zero3, Zero12, _Group, _Plan, breakdown
 from llmem_plugin.methods.base import MethodEstimate, ModelStateBytes, new_tracker, rank_memory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, TraceResult
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
-if TYPE_CHECKING:
-    from llmem_plugin.methods._zero_buffers import Buffers
-
 __all__ = [
     "PRESETS",
-    "ZeroCategory",
     "ZeroConfig",
     "ZeroModelStates",
     "build_training_model",
@@ -124,15 +120,6 @@ _STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.ADAMW_FUSED: 8, OptimizerK
 _REFUSED_TRUE = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
                  "round_robin_gradients", "parameter_alignment", "stage3_use_all_reduce_for_fetch_params",
                  "use_all_reduce_for_fetch_params", "zenflow", "cpu_offload", "cpu_offload_param")
-
-
-class ZeroCategory(str, Enum):
-    """DeepSpeed's own buffers, beside :class:`MemoryCategory`."""
-
-    MASTER_WEIGHTS = "fp32_master_weights"
-    FP32_GRADIENTS = "fp32_gradients"
-    BUCKETS = "buckets"
-    GATHERED_PARAMS = "gathered_parameters"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,43 +287,6 @@ class ZeroModelStates(ModelStateBytes):
 
 
 # ----------------------------------------------------------------- planning
-@dataclass
-class _Group:
-    """One ZeRO-1/2 flat group (stage_1_and_2.py, the per-group loop of __init__)."""
-
-    params: list[nn.Parameter]
-    aligned: int  # elements incl. padding
-    partition: int  # aligned // dp
-    in_partition: list[nn.Parameter]  # get_partition_info, for this rank
-
-
-@dataclass
-class _Plan:
-    stage: int
-    dp: int
-    rank: int
-    dtype: torch.dtype
-    cfg: ZeroConfig
-    optimizer: OptimizerKind
-    params: list[nn.Parameter]  # unique, model order
-    trainable: list[nn.Parameter]
-    groups: list[_Group]
-    persistent: set[int]  # ids of params kept whole (ZeRO-3)
-    sub_groups: list[list[nn.Parameter]]
-    decay_groups: list[list[nn.Parameter]] = dataclasses.field(default_factory=list)  # ZeRO-3 param groups
-
-    @property
-    def es(self) -> int:
-        return self.dtype.itemsize  # no tensor: under the tracer an empty one would count as an allocation
-
-    def part(self, p: nn.Parameter) -> int:
-        """ZeRO-3 partition elements (partition_parameters.py ``_aligned_size // world``)."""
-        return -(-p.numel() // self.dp)
-
-    def in_numel(self) -> int:
-        return sum(p.numel() for g in self.groups for p in g.in_partition)
-
-
 def _decay_groups(model: nn.Module, trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """HF Trainer's two groups (trainer.py ``create_optimizer``): decay, then no-decay."""
     import transformers
@@ -530,7 +480,6 @@ def _trace_rank(model: nn.Module, workload: Workload, *, plan_args: dict[str, An
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llmem_plugin.models import modelbuild
-    from llmem_plugin.methods._zero_buffers import Buffers, Zero3, Zero12
     from llmem_plugin.trace.step import NUM_ITERATIONS, StepHooks, trace_step
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -663,7 +612,7 @@ def synthesis_blocker(model: Any, workload: Workload, *, layout: Layout, stage: 
     if stage != 3:
         return (f"ZeRO-{stage} pads each flattened group to a multiple of 2 x dp elements and flattens it on the "
                 "device only where it fits (not affine in depth)")
-    from llmem_plugin.trace.layertags import decoder_layers
+    from llmem_plugin.models.config import decoder_layers
 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)
     plan = _plan(meta, cfg=cfg, dp=layout.dp, rank=0, dtype=dtype, optimizer=kind)
@@ -721,7 +670,6 @@ def estimate(
     """
     from llmem_plugin.device.allocator_config import AllocatorConfig
     from llmem_plugin.estimate import uses_cublaslt
-    from llmem_plugin.methods._zero_buffers import breakdown
     from llmem_plugin.device.overheads import device_overheads
 
     meta, cfg, dtype, kind = _setup(model, workload, layout, stage, offload_optimizer, offload_param, config)

@@ -66,12 +66,12 @@ import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError, UnsupportedError
+from llmem_plugin.models.config import LITGPT_PREFIX
 from llmem_plugin.workload import AttentionImpl, LossImpl, Runner, Workload
 
-__all__ = ["LM_HEAD_CHUNK", "PREFIX", "build", "forward_with_loss", "is_litgpt_model", "is_litgpt_source",
-           "lora_flags", "loss_path", "unsupported", "vocab_size"]
+__all__ = ["LM_HEAD_CHUNK", "build", "forward_with_loss", "is_litgpt_model", "lora_flags", "loss_path", "unsupported",
+           "vocab_size"]
 
-PREFIX = "litgpt:"
 # litgpt/finetune/lora.py fit(): `model(input_ids, lm_head_chunk_size=128)`; litgpt/utils.py
 # chunked_cross_entropy's default chunk_size=128 (full.py's flattened logits).
 LM_HEAD_CHUNK = 128
@@ -87,10 +87,6 @@ _TARGETS = {
     "head": "head", "lm_head": "head",
 }
 _MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def is_litgpt_source(source: Any) -> bool:
-    return isinstance(source, str) and source.startswith(PREFIX)
 
 
 def is_litgpt_model(model: nn.Module) -> bool:
@@ -175,7 +171,7 @@ def build(source: str, workload: Workload, *, device: str = "meta") -> nn.Module
     if reason:
         raise UnsupportedError(reason)
     litgpt = _import()
-    name = source[len(PREFIX):]
+    name = source[len(LITGPT_PREFIX):]
     lora = workload.lora
     kwargs: dict[str, Any] = {}
     if lora is not None:

@@ -32,24 +32,15 @@ config's class, for a checkpoint saved as one class and fine-tuned as another
 from __future__ import annotations
 
 import functools
-from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 
 from llmem_plugin.errors import UnsupportedError
+from llmem_plugin.workload import Task
 
-__all__ = ["Task", "check_workload", "config_task", "extra_inputs", "image_note", "make_labels", "model_task", "require_causal_lm"]
-
-
-class Task(str, Enum):
-    CAUSAL_LM = "causal-lm"
-    SEQ_CLS = "seq-cls"
-    TOKEN_CLS = "token-cls"
-    SEQ2SEQ = "seq2seq"
-    IMAGE_TEXT = "image-text-to-text"
-    MASKED_LM = "masked-lm"
+__all__ = ["auto_class", "check_workload", "config_task", "extra_inputs", "image_note", "make_labels", "model_task"]
 
 
 _AUTO_CLASS = {Task.CAUSAL_LM: "AutoModelForCausalLM", Task.SEQ_CLS: "AutoModelForSequenceClassification",
@@ -297,28 +288,3 @@ def check_workload(task: Task, workload: Any) -> None:
         raise ConfigError(f"--target-len is the target length of seq2seq models; this is a {task.value} model. "
                           "HINT: drop --target-len (--seq-len is its sequence length)")
 
-
-def require_causal_lm(source: Any, what: str, override: str | None = None) -> None:
-    """Refuse, in one line, a sequence classifier where only causal LMs are modelled.
-
-    Args:
-        source: A model source (config, name, path) or a built module.
-        what: The feature asked for (``"--method fsdp"``, ``"llmem plan"``).
-        override: The workload's task, if given.
-
-    Raises:
-        UnsupportedError: ``source`` is a sequence classifier (or names a
-            class that is not modelled at all).
-    """
-    if isinstance(source, nn.Module):
-        task = model_task(source)
-        if override is not None:
-            task = Task(override)
-    else:
-        from llmem_plugin.models.modelbuild import resolve_config
-
-        task = config_task(resolve_config(source), override)
-    if task is not Task.CAUSAL_LM:
-        raise UnsupportedError(
-            f"{what}: {task.value} models are estimated on one GPU only; the distributed engines' steps are "
-            "modelled for causal LMs. HINT: llmem estimate without --method/--gpus (method single)")

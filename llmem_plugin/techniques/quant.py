@@ -47,13 +47,12 @@ Known limitations:
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn
 
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.workload import Precision, Quantization, Workload
+from llmem_plugin.workload import BNB_NEWEST_READ, Precision, Quantization, Workload, resolve_bnb_version
 
 __all__ = [
     "Linear4bitStandIn",
@@ -69,26 +68,18 @@ __all__ = [
     "installed_bnb_version",
     "unsupported",
     "uses_fused_kernel",
-    "BNB_NEWEST_READ",
-    "BNB_OLDEST_READ",
-    "resolve_bnb_version",
+    "bnb_modelled_as",
+    "bnb_tuple",
 ]
 
 # The bitsandbytes releases whose 4-bit training path was read ([B] tags 0.41.0 to
-# 0.50.1, and the installed 0.50.2): older ones are refused, newer ones are
-# modelled as the newest read, which the report says.
-BNB_OLDEST_READ = (0, 41, 0)
-BNB_NEWEST_READ = (0, 50, 2)
+# 0.50.1, and the installed 0.50.2) are llmem_plugin.workload.BNB_OLDEST_READ to
+# BNB_NEWEST_READ: Workload refuses older ones (resolve_bnb_version), newer ones
+# are modelled as the newest read, which the report says.
 # [B] PR #1270 (commit 9e753741, first tagged 0.43.2): MatMul4Bit stops keeping A.
 _BNB_DROPS_INPUT = (0, 43, 2)
 # [B] PR #1949 (commit 5453368b, first tagged 0.50.0): the fused 4-bit GEMM kernels.
 _BNB_FUSED_GEMM = (0, 50, 0)
-
-_BNB_VERSION = re.compile(r"(\d{1,3})\.(\d{1,3})(?:\.(\d{1,3}))?(?:[.+-]?[a-z0-9.+-]*)?", re.IGNORECASE)
-
-
-def _version_text(v: tuple[int, int, int]) -> str:
-    return ".".join(map(str, v))
 
 
 def installed_bnb_version() -> str | None:
@@ -103,33 +94,8 @@ def installed_bnb_version() -> str | None:
         return None
 
 
-def resolve_bnb_version(text: str | None) -> str:
-    """The bitsandbytes version a QLoRA workload runs, as ``"X.Y.Z"``.
-
-    Args:
-        text: A version (``"0.42.0"``); None: the newest read. The default
-            does not follow the installed release, so an estimate (and a
-            re-validation of a recorded row) is the same on every machine;
-            the adapters pass :func:`installed_bnb_version` for the job they run in.
-
-    Raises:
-        ConfigError: Not a version, or older than the oldest read.
-    """
-    if text is None:
-        return _version_text(BNB_NEWEST_READ)
-    m = _BNB_VERSION.fullmatch(text.strip()) if isinstance(text, str) else None
-    if m is None:
-        raise ConfigError(f"--bnb-version {text!r} is not a bitsandbytes version. HINT: e.g. --bnb-version 0.45.5")
-    v = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
-    if v < BNB_OLDEST_READ:
-        raise ConfigError(f"--bnb-version {text} is older than {_version_text(BNB_OLDEST_READ)}, the oldest "
-                          "bitsandbytes whose 4-bit path is modelled. HINT: pass a version from "
-                          f"{_version_text(BNB_OLDEST_READ)} on")
-    return _version_text(v)
-
-
 def bnb_tuple(text: str) -> tuple[int, int, int]:
-    """``"0.42.0"`` -> ``(0, 42, 0)`` (a version :func:`resolve_bnb_version` returned)."""
+    """``"0.42.0"`` -> ``(0, 42, 0)`` (a version :func:`llmem_plugin.workload.resolve_bnb_version` returned)."""
     major, minor, patch = (int(x) for x in text.split("."))
     return major, minor, patch
 
@@ -137,7 +103,7 @@ def bnb_tuple(text: str) -> tuple[int, int, int]:
 def bnb_modelled_as(text: str) -> str | None:
     """The version whose source stands in for ``text`` when it is newer than
     the newest read (None when ``text`` was read)."""
-    return _version_text(BNB_NEWEST_READ) if bnb_tuple(text) > BNB_NEWEST_READ else None
+    return resolve_bnb_version(None) if bnb_tuple(text) > BNB_NEWEST_READ else None
 
 # Workload.quantized_from's names for the dtypes quantize_4bit takes.
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -185,7 +151,7 @@ class QuantSpec:
     """
 
     def __init__(self, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
-                 bnb_version: str = _version_text(BNB_NEWEST_READ), quant_dtype: torch.dtype | None = None) -> None:
+                 bnb_version: str = resolve_bnb_version(None), quant_dtype: torch.dtype | None = None) -> None:
         self.quant_type = quant_type
         self.double_quant = double_quant
         self.compute_dtype = compute_dtype

@@ -469,22 +469,54 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
             switch, a short regime needing too many exact traces, or a
             derivation that fails (:func:`derive`).
     """
-    cache: dict[int, _Traced] = {}
-
-    def t(s: int) -> _Traced:
-        if s not in cache:
-            cache[s] = trace_at(s)
-        return cache[s]
-
-    def sig(s: int) -> tuple:
-        return t(s).signature
-
+    traces = _Traces(trace_at)
     low, high = min(needed), max(needed)
-    # 128-token steps, and 32-token steps below 128 (mem-efficient attention's padding unit) where needed.
+    grid = _grid(low, high)
+    runs = _runs(grid, traces.sig)
+    firsts = _switch_lengths(grid, runs, traces.sig)
+    regimes = _Regimes(needed, traces)
+    if low < grid[0]:  # below the finest grid: each length as traced
+        regimes.exact(low, grid[0] - 1)
+    for k, (a, b) in enumerate(runs):
+        last = firsts[k + 1] - 1 if k + 1 < len(runs) else high
+        regimes.run(firsts[k], last, grid[a: b + 1], first_run=k == 0, last_run=k == len(runs) - 1)
+    return Piecewise(regimes.regimes, len(traces.cache))
+
+
+# The steps of piecewise(), in its order: the grid lengths, the runs of grid
+# lengths with one event structure, the exact length where each run starts, and
+# each run's derivation (a fit, the 32-token grid's table, or lengths traced one by one).
+
+
+class _Traces:
+    """The traces by length, each traced once (``trace_at``), and their event structures."""
+
+    def __init__(self, trace_at) -> None:
+        self.trace_at = trace_at
+        self.cache: dict[int, _Traced] = {}
+
+    def __call__(self, s: int) -> _Traced:
+        if s not in self.cache:
+            self.cache[s] = self.trace_at(s)
+        return self.cache[s]
+
+    def sig(self, s: int) -> tuple:
+        return self(s).signature
+
+
+def _grid(low: int, high: int) -> list[int]:
+    """The grid lengths over ``low..high``: 128-token steps, and 32-token steps
+    below 128 (mem-efficient attention's padding unit) where needed; at least three."""
     grid = [x for x in range(max(_FINE, low // _FINE * _FINE), GRID, _FINE)]
     grid += list(range(GRID, max(-(-high // GRID) * GRID, GRID) + 1, GRID))
     while len(grid) < 3:
         grid.append(grid[-1] + GRID)
+    return grid
+
+
+def _runs(grid: list[int], sig) -> list[tuple[int, int]]:
+    """The runs of ``grid`` indices (first, last) whose lengths share an event
+    structure (``sig``), found by bisecting wherever a range's ends and middle differ."""
     cuts: list[int] = []  # grid indices i with sig(grid[i]) != sig(grid[i + 1])
 
     def split(i: int, j: int) -> None:
@@ -504,7 +536,16 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
         runs.append((start, c))
         start = c + 1
     runs.append((start, len(grid) - 1))
-    # Exact switch lengths between runs: the first length with the next run's structure.
+    return runs
+
+
+def _switch_lengths(grid: list[int], runs: list[tuple[int, int]], sig) -> list[int]:
+    """The first length of each run: the grid's first, then each exact switch
+    length, the first with the next run's structure (bisected between adjacent grid lengths).
+
+    Raises:
+        UnsupportedError: A length between two runs whose structure matches neither.
+    """
     firsts = [grid[0]]
     for (_, b), (c, _) in zip(runs, runs[1:]):
         left, right = grid[b], grid[c]  # adjacent grid lengths
@@ -519,28 +560,51 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
                 raise UnsupportedError(f"the step's allocations at {m} tokens match neither {left} nor {right} "
                                        "tokens. HINT: estimate the longest length with --seq-len alone")
         firsts.append(z)
-    regimes = []
+    return firsts
 
-    def exact(first: int, last: int) -> None:
-        wanted = sorted({s for s in needed if first <= s <= last})
+
+class _Regimes:
+    """The regimes of :func:`piecewise`, derived run by run over the lengths ``needed``."""
+
+    def __init__(self, needed: list[int], traces: _Traces) -> None:
+        self.needed, self.t, self.sig = needed, traces, traces.sig
+        self.regimes: list[tuple[int, int, Derivation]] = []
+
+    def run(self, first: int, last: int, pts: list[int], *, first_run: bool, last_run: bool) -> None:
+        """The run of grid lengths ``pts`` over ``first..last``; the first and last runs may continue past the range."""
+        fine = [x for x in pts if x < GRID]
+        if fine and len(fine) < len(pts) and first < GRID <= last:
+            # One structure across 128 tokens: a size padded to 128 inside a kernel (flash attention's
+            # softmax_lse) is constant below 128 and a step function above it, which no quadratic through
+            # 32-token and 128-token grid lengths together bounds; fit each side on its own grid.
+            self.table(first, GRID - 1, fine[0], first_run, True)  # the run goes on past 128: its grid lengths serve
+            self.fit(GRID, last, [x for x in pts if x >= GRID], False, last_run)
+        else:
+            self.fit(first, last, list(pts), first_run, last_run)
+
+    def wanted(self, first: int, last: int) -> int:
+        return len({s for s in self.needed if first <= s <= last})
+
+    def exact(self, first: int, last: int) -> None:
+        """Each needed length in ``first..last`` as traced.
+
+        Raises:
+            UnsupportedError: More than :data:`_MAX_EXACT_TRACES` of them.
+        """
+        wanted = sorted({s for s in self.needed if first <= s <= last})
         if len(wanted) > _MAX_EXACT_TRACES:
             raise UnsupportedError(
                 f"the step's allocations change structure at {first} and {last + 1} tokens, too close together for "
                 f"a fit, and {len(wanted)} lengths fall between them. HINT: narrow the length range, or estimate the "
                 "longest length with --seq-len alone")
-        regimes.extend((s, s, Derivation.traced(s, t(s))) for s in wanted)
+        self.regimes.extend((s, s, Derivation.traced(s, self.t(s))) for s in wanted)
 
-    if low < grid[0]:  # below the finest grid: each length as traced
-        exact(low, grid[0] - 1)
-
-    def wanted(first: int, last: int) -> int:
-        return len({s for s in needed if first <= s <= last})
-
-    def table(first: int, last: int, ref: int, at_low_end: bool, at_high_end: bool) -> None:
+    def table(self, first: int, last: int, ref: int, at_low_end: bool, at_high_end: bool) -> None:
         """The regime of grid length ``ref`` over ``first..last`` from its 32-token grid traces
         (:func:`derive_fine`). Each length takes the grid length at or above it; where that has another
         structure (the regime ends off the grid) the lengths above the last grid length are traced one by
         one. A regime at either end of the range may continue past it: grid lengths there serve its table."""
+        sig = self.sig
         start, top = _round_up(first, _FINE), last // _FINE * _FINE
         if at_high_end and top < last and sig(_round_up(last, _FINE)) == sig(ref):
             top = _round_up(last, _FINE)
@@ -550,53 +614,39 @@ def piecewise(needed: list[int], trace_at) -> Piecewise:
         while at_low_end and 0 < len(pts) < 3 and pts[0] - _FINE >= _FINE and sig(pts[0] - _FINE) == sig(ref):
             pts.insert(0, pts[0] - _FINE)
         if len(pts) < 3 or any(sig(x) != sig(ref) for x in pts):
-            exact(first, last)
+            self.exact(first, last)
             return
         checks = (pts[0] + _FINE // 2 + 1, pts[-2] + _FINE // 2 + 3)
         try:
-            der = derive_fine({s: t(s) for s in (*pts, *checks)}, pts, checks)
+            der = derive_fine({s: self.t(s) for s in (*pts, *checks)}, pts, checks)
         except UnsupportedError:
-            if wanted(first, last) > _MAX_EXACT_TRACES:
+            if self.wanted(first, last) > _MAX_EXACT_TRACES:
                 raise
-            exact(first, last)
+            self.exact(first, last)
             return
-        regimes.append((first, min(top, last), der))
+        self.regimes.append((first, min(top, last), der))
         if top < last:
-            exact(top + 1, last)
+            self.exact(top + 1, last)
 
-    def fit(first: int, last: int, pts: list[int], at_low_end: bool, at_high_end: bool) -> None:
+    def fit(self, first: int, last: int, pts: list[int], at_low_end: bool, at_high_end: bool) -> None:
+        """The regime over ``first..last`` fitted through its grid lengths ``pts`` (:func:`derive`)."""
         if pts[0] < GRID:  # below 128 tokens: the 32-token grid's own traces
-            table(first, last, pts[0], at_low_end, at_high_end)
+            self.table(first, last, pts[0], at_low_end, at_high_end)
             return
         # A regime at the top of the range may continue past it: grid lengths there serve its fit.
-        while len(pts) < 3 and at_high_end and sig(pts[-1] + GRID) == sig(pts[0]):
+        while len(pts) < 3 and at_high_end and self.sig(pts[-1] + GRID) == self.sig(pts[0]):
             pts.append(pts[-1] + GRID)
         if len(pts) < 3:  # too few 128-token grid lengths for a quadratic: the 32-token grid
-            table(first, last, pts[0], False, at_high_end)
+            self.table(first, last, pts[0], False, at_high_end)
             return
         g = (pts[0], pts[len(pts) // 2], pts[-1])
         check = pts[0] + GRID // 2 + 1
         try:
-            regimes.append((first, last, derive({s: t(s) for s in (*g, check)}, g, check)))
+            self.regimes.append((first, last, derive({s: self.t(s) for s in (*g, check)}, g, check)))
         except UnsupportedError:  # a size no quadratic bounds (a kernel's launch arithmetic)
-            if wanted(first, last) > _MAX_EXACT_TRACES:
+            if self.wanted(first, last) > _MAX_EXACT_TRACES:
                 raise
-            exact(first, last)
-
-    for k, (a, b) in enumerate(runs):
-        first = firsts[k]
-        last = firsts[k + 1] - 1 if k + 1 < len(runs) else high
-        pts = grid[a: b + 1]
-        fine = [x for x in pts if x < GRID]
-        if fine and len(fine) < len(pts) and first < GRID <= last:
-            # One structure across 128 tokens: a size padded to 128 inside a kernel (flash attention's
-            # softmax_lse) is constant below 128 and a step function above it, which no quadratic through
-            # 32-token and 128-token grid lengths together bounds; fit each side on its own grid.
-            table(first, GRID - 1, fine[0], k == 0, True)  # the run goes on past 128: its grid lengths serve
-            fit(GRID, last, [x for x in pts if x >= GRID], False, k == len(runs) - 1)
-        else:
-            fit(first, last, list(pts), k == 0, k == len(runs) - 1)
-    return Piecewise(regimes, len(cache))
+            self.exact(first, last)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -921,7 +971,7 @@ def estimate_variable_length(
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
         raise ConfigError(f"steps must be an integer in 1..{MAX_STEPS}, got {steps!r}. HINT: pass --steps N")
     est._check_source(model)
-    from llmem_plugin.models.litgpt import is_litgpt_source
+    from llmem_plugin.models.config import is_litgpt_source, num_layers
 
     if is_litgpt_source(model):
         raise UnsupportedError("--seq-lens with a litgpt model is not modelled (the derivation across lengths is "
@@ -939,7 +989,7 @@ def estimate_variable_length(
                                  uses_cublaslt=uses_cublaslt(meta))
     micro = min(wl.grad_accum_steps, 2)
     ctx = {"gpu": target, "overheads": overheads, "micro": micro,
-           "depth": modelbuild.num_layers(cfg) if cfg is not None else 0}
+           "depth": num_layers(cfg) if cfg is not None else 0}
 
     n_plan = steps if steps is not None else MAX_STEPS
     plan = step_lengths(dist, micro_batch_size=wl.micro_batch_size, grad_accum_steps=wl.grad_accum_steps,

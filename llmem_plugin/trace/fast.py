@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmem_plugin.models import modelbuild
+from llmem_plugin.models.config import resolve_config
 from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.models.layerkinds import LayerPlan, layer_kinds, plan_layers, shortened_config
 from llmem_plugin.trace.tracker import MemoryCategory, Phase, TraceResult
@@ -97,7 +98,7 @@ def extrapolated_trace(
     """Peak of the ``depth``-layer model, from traces of two shortened copies.
 
     Args:
-        source: Model source accepted by :func:`modelbuild.resolve_config`.
+        source: Model source accepted by :func:`resolve_config`.
         workload: The workload.
         depth: Layers of the real model.
         trace: Traces a built meta model (``estimate._trace``).
@@ -109,7 +110,7 @@ def extrapolated_trace(
         empty. Without a repetition shorter than the model, the full model's
         trace; where the layer kinds are unknown, no trace and a ``note``.
     """
-    config = modelbuild.resolve_config(source)
+    config = resolve_config(source)
     kinds, reason = layer_kinds(config)
     if kinds is None:
         return Extrapolation(None, note=fallback_note(reason))

@@ -26,7 +26,8 @@ event, which layer's code runs it (its *segment*):
   record's layer.
 
 The layers are the decoder's ``ModuleList``: the one module list of the model
-whose length is the config's layer count.
+whose length is the config's layer count
+(:func:`llmem_plugin.models.config.decoder_layers`).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmem_plugin.models.config import decoder_layers
 from llmem_plugin.trace import _pause
 from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult, _tensors_in
 
-__all__ = ["LayerTags", "LayerTaggingTracker", "decoder_layers"]
+__all__ = ["LayerTags", "LayerTaggingTracker"]
 
 _UNSET = object()
 
@@ -68,19 +70,6 @@ class LayerTags:
     record_layer: list[int | None]
     record_role: list[tuple[str, str, int]]
     record_requested: list[int] | None = None
-
-
-def decoder_layers(model: nn.Module) -> str | None:
-    """Qualified name of ``model``'s decoder layer list, or None when no one
-    module list has the config's layer count."""
-    from llmem_plugin.models.modelbuild import num_layers
-
-    try:
-        depth = num_layers(getattr(model, "config", None))
-    except Exception:  # no config, or no layer count in it
-        return None
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
-    return names[0] if len(names) == 1 else None
 
 
 def _flat(args: tuple, kwargs: dict | None) -> list[Any]:

@@ -38,25 +38,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from llmem_plugin.errors import ConfigError
+__all__ = ["LOADED_MARK", "direct_only", "has_transients", "load_trace", "place_weights", "splice"]
 
-__all__ = ["LOADS", "direct_only", "has_transients", "load_trace", "place_weights", "splice"]
-
-LOADS = ("direct", "fp32-cast")
+# The trace mark at the end of the setup phase, once every weight is in place
+# (its key in TraceResult.marks is "loaded:setup"): where a step's trace and a
+# separately traced setup phase join (:func:`splice`).
+LOADED_MARK = "loaded"
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def check(workload) -> None:
-    """One-line refusals of load settings the setup phase does not model."""
-    if workload.load not in LOADS:
-        raise ConfigError(f"unsupported load {workload.load!r}; valid: {', '.join(LOADS)}. HINT: pass --load with "
-                          "one of them")
-    if workload.load == "fp32-cast" and workload.quantize is not None:
-        raise ConfigError("--load fp32-cast with --quantize: quantized models load through their quantizer, "
-                          "not a cast. HINT: drop --load")
-    if workload.load == "fp32-cast" and workload.precision.param_dtype not in _HALF:
-        raise ConfigError(f"--load fp32-cast casts the weights to a 16-bit dtype, but --precision "
-                          f"{workload.precision.value} trains in fp32. HINT: --precision bf16, or drop --load")
 
 
 _direct_only = [False]
@@ -185,7 +173,6 @@ def load_trace(model: nn.Module, workload):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llmem_plugin.models import modelbuild
-    from llmem_plugin.trace.step import LOADED_MARK
     from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -205,7 +192,6 @@ def splice(setup, step):
     Nothing after the setup frees a weight, so the two streams join at the
     ``loaded`` mark; the setup's records are renumbered past the step's.
     """
-    from llmem_plugin.trace.step import LOADED_MARK
     from llmem_plugin.trace.tracker import Phase
 
     key = f"{LOADED_MARK}:{Phase.SETUP.value}"

@@ -11,20 +11,26 @@ state (states alive during forward and backward) shows in the second
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from llmem_plugin.trace import _pause
 from llmem_plugin.errors import UnsupportedError
+from llmem_plugin.models.litgpt import is_litgpt_model
+from llmem_plugin.models.tasks import extra_inputs, make_labels, model_task
+from llmem_plugin.techniques.packing import doc_lengths, packed_batch
+from llmem_plugin.techniques.packing import tracing as packing_tracing
+from llmem_plugin.trace import _pause
 from llmem_plugin.trace.emulation import (
     DEFAULT_COMPUTE_CAPABILITY,
     autocast_region,
     cuda_emulation,
 )
+from llmem_plugin.trace.loading import LOADED_MARK, place_weights
 from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, Phase, TraceResult
-from llmem_plugin.workload import OptimizerKind, Runner, Workload
+from llmem_plugin.workload import LossImpl, OptimizerKind, Runner, Task, Workload
 
 __all__ = ["MAX_TRACED_MICRO_STEPS", "NUM_ITERATIONS", "STEADY_MICRO_STEPS", "StepHooks", "host_resident_state", "make_optimizer",
            "micro_mark", "state_tensors", "trace_step", "traced_micro_steps"]
@@ -76,11 +82,9 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wo
     ``drop_previous``: releases what a plain loop still holds of the last
     micro-step; called where the loop rebinds its name for the outputs, when
     the model returns and before a loss the loop computes itself."""
-    from llmem_plugin.workload import LossImpl
-
     from llmem_plugin.models import litgpt
 
-    if litgpt.is_litgpt_model(model):  # litgpt's own loop and loss (llmem_plugin.models.litgpt)
+    if is_litgpt_model(model):  # litgpt's own loop and loss (llmem_plugin.models.litgpt)
         return litgpt.forward_with_loss(model, input_ids, labels, drop_previous)
     if workload.loss is LossImpl.HF and not workload.logits_to_keep:
         return model(input_ids=input_ids, labels=labels, use_cache=False, **(extra or {}))
@@ -159,9 +163,6 @@ def traced_micro_steps(grad_accum_steps: int, max_micro_steps: int | None = None
         return list(range(grad_accum_steps))
     assert max_micro_steps >= 2, max_micro_steps
     return [*range(max_micro_steps - 1), grad_accum_steps - 1]
-
-
-LOADED_MARK = "loaded"
 
 
 def micro_mark(iteration: int, micro: int) -> str:
@@ -249,143 +250,255 @@ def trace_step(
     Returns:
         The replayed trace.
     """
-    from llmem_plugin.models.litgpt import is_litgpt_model
+    loop = _prepare_loop(model, workload, vocab_size=vocab_size, fake=fake_mode is not None, tracker=tracker,
+                         autocast=autocast, offload=offload, wrap=wrap, hooks=hooks, reference=reference)
+    mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    with mode_ctx, loop.tracker, contextlib.ExitStack() as stack:
+        # A packed row's documents, for the attention emulation, within this trace only.
+        stack.enter_context(packing_tracing(loop.documents))
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        model = _place_model(loop, model, wrap=wrap)
+        with cuda_emulation(autocast_dtype=loop.autocast_dtype, compute_capability=compute_capability,
+                            num_sms=num_sms, mark=loop.tracker.mark):
+            loop.hooks.setup()
+            micro_steps = traced_micro_steps(workload.grad_accum_steps, max_micro_steps)
+            for it in range(NUM_ITERATIONS):
+                for mb in micro_steps:
+                    _micro_step(loop, model, it, mb)
+                _optimizer_step(loop)
+            loop.tracker.set_phase(Phase.SETUP)
+            loop.drop_previous()  # the last outputs, released outside any phase's layers
+        loop.tracker.set_phase(Phase.SETUP)
+    return loop.tracker.result()
 
+
+@dataclasses.dataclass(eq=False)
+class _Loop:
+    """The training loop around the traced step, made before the trace starts.
+
+    It lives as long as the trace: ``params`` and ``labels_for`` keep the
+    unwrapped model's parameters referenced throughout, as the job's own
+    model does once a wrapper replaces them.
+
+    Attributes:
+        workload: The step to run.
+        tracker: Records the step.
+        hooks: The engine's :class:`StepHooks`.
+        params: Every parameter of the unwrapped model, in order.
+        trainable: The parameters that take gradients (the optimizer's).
+        optimizer: From :func:`make_optimizer`.
+        labels_for: The unwrapped model, whose task decides the labels.
+        documents: The lengths of a packed row's documents, or None.
+        vocab_size: Token ids are drawn below this.
+        fake: The model's tensors are fake (no generator for the inputs).
+        autocast_dtype: The forward's autocast dtype, or None.
+        offload: Model states live on the host (see :func:`trace_step`).
+        held: The category model states take (``HOST`` with ``offload``), or None for their own.
+        hf: HF Trainer's additions (outputs cast to fp32, gradient clipping).
+        lightning: Lightning's zero_grad between the first forward and its backward.
+        plain: A hand-written loop, which keeps the last micro-step's outputs into the next.
+        held_through_backward: The loop binds the outputs until backward returns.
+        offload_ctx: A factory of the activation-offload context.
+        reference: A frozen reference model's forward, or None.
+        previous: The last micro-step's outputs a loop still holds.
+    """
+
+    workload: Workload
+    tracker: MemoryTracker
+    hooks: StepHooks
+    params: list[torch.Tensor]
+    trainable: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    labels_for: nn.Module
+    documents: list[int] | None
+    vocab_size: int
+    fake: bool
+    autocast_dtype: torch.dtype | None
+    offload: bool
+    held: MemoryCategory | None
+    hf: bool
+    lightning: bool
+    plain: bool
+    held_through_backward: bool
+    offload_ctx: Callable[[], contextlib.AbstractContextManager]
+    reference: Callable[[torch.Tensor], object] | None
+    previous: list = dataclasses.field(default_factory=list)
+
+    def drop_previous(self) -> None:
+        """Release the last micro-step's outputs, where the loop rebinds its
+        ``logits``/``outputs`` name: when the model returns, before a loss the
+        loop computes itself."""
+        self.previous.clear()
+
+
+def _prepare_loop(model: nn.Module, workload: Workload, *, vocab_size: int, fake: bool,
+                  tracker: MemoryTracker | None, autocast: bool, offload: bool,
+                  wrap: Callable[[nn.Module], nn.Module] | None, hooks: StepHooks | None,
+                  reference: Callable[[torch.Tensor], object] | None) -> _Loop:
+    """Everything the loop needs before the trace starts: the tracker watching
+    ``model``, the optimizer, the packed row's documents and what the runner
+    changes; arguments as :func:`trace_step`'s.
+
+    Raises:
+        UnsupportedError: A litgpt model under an engine or offload, or a
+            packed batch for a model that is not a causal LM.
+    """
     if is_litgpt_model(model) and (wrap is not None or hooks is not None or offload):
         raise UnsupportedError("a litgpt model is modelled on one GPU only, in litgpt's own loop. HINT: estimate the "
                                "transformers model of the same architecture for distributed methods and offload")
     tracker = tracker if tracker is not None else MemoryTracker()
     tracker.watch_modules(model)
-    mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     b, s = workload.micro_batch_size, workload.seq_len
-    from llmem_plugin.techniques.packing import doc_lengths, packed_batch
-    from llmem_plugin.techniques.packing import tracing as packing_tracing
-    from llmem_plugin.models.tasks import extra_inputs, make_labels
-
     params = [p for p in model.parameters()]
-    labels_for = model  # the task's labels, read before a wrapper hides the model's class
     documents = doc_lengths(b * s, workload.packed_docs) if workload.packed_docs is not None else None
     if workload.packed_docs is not None:
-        from llmem_plugin.models.tasks import Task, model_task
-
         if model_task(model) is not Task.CAUSAL_LM:  # the workload may not name the task; the model does
             raise UnsupportedError(f"--packed-docs with {type(model).__name__} ({model_task(model).value}) is not "
                                    "modelled: padding-free packing is for causal LMs. HINT: drop --packed-docs")
     trainable = [p for p in params if p.requires_grad]
     optimizer = make_optimizer(trainable, workload.optimizer)
-    autocast_dtype = workload.precision.autocast_dtype if autocast else None
-    held = MemoryCategory.HOST if offload else None
-    # HF Trainer's additions run where its own loop runs them: around the
-    # plain and DDP steps (engines with their own step clip and cast themselves).
-    hf = workload.runner is Runner.HF_TRAINER and hooks is None
-    lightning = workload.runner is Runner.LIGHTNING and hooks is None
     # A hand-written loop keeps the last micro-step's outputs (and the graph
     # its loss roots) until the next forward's outputs replace them.
     plain = workload.runner is Runner.PLAIN_LOOP
-    # litgpt's fit() computes its loss from the `logits` it binds, so they live through backward
-    # under any runner; the plain loop also keeps them into the next micro-step.
-    held_through_backward = plain or is_litgpt_model(model)
-    # The last micro-step's outputs; `drop_previous` releases them where the loop rebinds its
-    # `logits`/`outputs` name: when the model returns, before a loss the loop computes itself.
-    previous: list = []
-    drop_previous = previous.clear
-    offload_ctx = _activation_offload(workload, tracker)
-    hooks = hooks if hooks is not None else StepHooks()
-    with mode_ctx, tracker, contextlib.ExitStack() as stack:
-        # A packed row's documents, for the attention emulation, within this trace only.
-        stack.enter_context(packing_tracing(documents))
-        for ctx in contexts:
-            stack.enter_context(ctx)
-        if offload:
-            tracker.register(params, MemoryCategory.HOST)
-        elif type(hooks) is StepHooks:  # the plain loop: the weights arrive as the job loads them
-            from llmem_plugin.trace.loading import place_weights
+    return _Loop(
+        workload=workload, tracker=tracker, hooks=hooks if hooks is not None else StepHooks(), params=params,
+        trainable=trainable, optimizer=optimizer,
+        labels_for=model,  # the task's labels, read before a wrapper hides the model's class
+        documents=documents, vocab_size=vocab_size, fake=fake,
+        autocast_dtype=workload.precision.autocast_dtype if autocast else None, offload=offload,
+        held=MemoryCategory.HOST if offload else None,
+        # HF Trainer's additions run where its own loop runs them: around the
+        # plain and DDP steps (engines with their own step clip and cast themselves).
+        hf=workload.runner is Runner.HF_TRAINER and hooks is None,
+        lightning=workload.runner is Runner.LIGHTNING and hooks is None,
+        plain=plain,
+        # litgpt's fit() computes its loss from the `logits` it binds, so they live through backward
+        # under any runner; the plain loop also keeps them into the next micro-step.
+        held_through_backward=plain or is_litgpt_model(model),
+        offload_ctx=_activation_offload(workload, tracker), reference=reference,
+    )
 
-            place_weights(tracker, model, params, workload, lambda ps: hooks.register_parameters(tracker, ps))
-        else:
-            hooks.register_parameters(tracker, params)
-        tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
-        tracker.mark(LOADED_MARK)  # the end of the setup phase (TraceResult.marks["loaded:setup"])
-        if wrap is not None:
-            start = tracker.num_records
-            model = wrap(model)
-            tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
-        with cuda_emulation(autocast_dtype=autocast_dtype, compute_capability=compute_capability, num_sms=num_sms,
-                            mark=tracker.mark):
-            hooks.setup()
-            micro_steps = traced_micro_steps(workload.grad_accum_steps, max_micro_steps)
-            for it in range(NUM_ITERATIONS):
-                for mb in micro_steps:
-                    tracker.set_phase(Phase.SETUP)
-                    tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
-                    gen = torch.Generator().manual_seed(0) if fake_mode is None else None
-                    if workload.packed_docs is not None:  # one padding-free row (llmem_plugin.techniques.packing)
-                        input_ids, labels, extra = packed_batch(documents, vocab_size, fake=fake_mode is not None,
-                                                                boundaries=workload.packed_boundaries)
-                    else:
-                        input_ids = torch.randint(0, vocab_size, (b, s), generator=gen)
-                        labels = make_labels(labels_for, input_ids, workload)
-                        extra = extra_inputs(labels_for, input_ids, workload)
-                    tensors = [t for t in extra.values() if isinstance(t, torch.Tensor)]
-                    tracker.register([input_ids, labels, *tensors], MemoryCategory.INPUT)
-                    del tensors
-                    hooks.begin_micro(it, mb)
-                    tracker.set_phase(Phase.FORWARD)
-                    start = tracker.num_records
-                    # As HF Trainer's compute_loss: forward and loss inside
-                    # autocast, backward outside (the autocast weight-cast
-                    # cache is freed when the region exits).
-                    with offload_ctx():
-                        if hf:
-                            with autocast_region(autocast_dtype):
-                                out = _forward(model, input_ids, labels, workload, extra)
-                            if autocast_dtype is not None:
-                                out = _outputs_to_fp32(out)
-                            loss = out["loss"]
-                            del out
-                            loss = loss / workload.grad_accum_steps
-                        else:
-                            with autocast_region(autocast_dtype):
-                                out = _forward(model, input_ids, labels, workload, extra, drop_previous)
-                            if workload.outputs_to_fp32:  # Fabric: after its forward_context, before the loss
-                                from llmem_plugin.techniques.loss import fabric_cast
 
-                                out = fabric_cast(out)
-                            loss = out["loss"] / workload.grad_accum_steps
-                            if held_through_backward:
-                                drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
-                                previous.append(out)
-                            del out
-                        # What the forward leaves alive is what backward needs.
-                        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
-                        if reference is not None:
-                            # TRL DPO: the frozen reference's no_grad forward runs after the policy's.
-                            ref_out = reference(input_ids)
-                        if lightning and mb == 0:
-                            optimizer.zero_grad(set_to_none=True)
-                        tracker.set_phase(Phase.BACKWARD)
-                        loss.backward()
-                        tracker.backward_returned()
-                    if not plain:
-                        drop_previous()  # a step that keeps nothing into the next (litgpt under --runner torch)
-                    del loss, input_ids, labels, extra
-                    if reference is not None:
-                        del ref_out
-                    tracker.label([p.grad for p in trainable if p.grad is not None], held or MemoryCategory.GRADIENT)
-                    hooks.end_backward(it, mb)
-                tracker.set_phase(Phase.OPTIMIZER)
-                if hf and not offload:
-                    # Trainer: accelerator.clip_grad_norm_ -> torch.nn.utils.clip_grad_norm_
-                    # (foreach on CUDA) when max_grad_norm > 0, its default 1.0.
-                    torch.nn.utils.clip_grad_norm_(trainable, _HF_MAX_GRAD_NORM, foreach=True)
-                with _pause.untracked() if offload else contextlib.nullcontext():
-                    stepped = hooks.step(optimizer)
-                if stepped is not None:
-                    tracker.label(state_tensors(stepped), held or MemoryCategory.OPTIMIZER_STATE)
-                    tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
-                if not lightning:
-                    optimizer.zero_grad(set_to_none=True)
-            tracker.set_phase(Phase.SETUP)
-            drop_previous()  # the last outputs, released outside any phase's layers
-        tracker.set_phase(Phase.SETUP)
-    return tracker.result()
+def _place_model(loop: _Loop, model: nn.Module, *, wrap: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
+    """The setup phase, inside the tracker: the weights arrive (as the job
+    loads them, in the plain loop), the buffers, the ``loaded`` mark; then the
+    wrapper, whose allocations are communication buffers.
+
+    Returns:
+        The module the step runs (``wrap(model)``, or ``model``).
+    """
+    tracker, hooks = loop.tracker, loop.hooks
+    if loop.offload:
+        tracker.register(loop.params, MemoryCategory.HOST)
+    elif type(hooks) is StepHooks:  # the plain loop: the weights arrive as the job loads them
+        place_weights(tracker, model, loop.params, loop.workload, lambda ps: hooks.register_parameters(tracker, ps))
+    else:
+        hooks.register_parameters(tracker, loop.params)
+    tracker.register(list(model.buffers()), MemoryCategory.PARAMETER)
+    tracker.mark(LOADED_MARK)  # the end of the setup phase (TraceResult.marks["loaded:setup"])
+    if wrap is not None:
+        start = tracker.num_records
+        model = wrap(model)
+        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.COMM_BUFFER)
+    return model
+
+
+def _make_inputs(loop: _Loop, it: int, mb: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Micro-step ``mb`` of iteration ``it`` begins: its mark, and its batch
+    (token ids, labels, the task's other inputs) registered as inputs.
+
+    Returns:
+        ``(input_ids, labels, extra)``.
+    """
+    tracker, workload = loop.tracker, loop.workload
+    tracker.set_phase(Phase.SETUP)
+    tracker.mark(f"micro:{it}:{mb}")  # its key in TraceResult.marks: micro_mark(it, mb)
+    gen = torch.Generator().manual_seed(0) if not loop.fake else None
+    if workload.packed_docs is not None:  # one padding-free row (llmem_plugin.techniques.packing)
+        input_ids, labels, extra = packed_batch(loop.documents, loop.vocab_size, fake=loop.fake,
+                                                boundaries=workload.packed_boundaries)
+    else:
+        input_ids = torch.randint(0, loop.vocab_size, (workload.micro_batch_size, workload.seq_len), generator=gen)
+        labels = make_labels(loop.labels_for, input_ids, workload)
+        extra = extra_inputs(loop.labels_for, input_ids, workload)
+    tensors = [t for t in extra.values() if isinstance(t, torch.Tensor)]
+    tracker.register([input_ids, labels, *tensors], MemoryCategory.INPUT)
+    return input_ids, labels, extra
+
+
+def _micro_step(loop: _Loop, model: nn.Module, it: int, mb: int) -> None:
+    """One micro-batch: its inputs, the forward and loss, a reference model's
+    forward, backward; then its gradients labelled."""
+    tracker = loop.tracker
+    input_ids, labels, extra = _make_inputs(loop, it, mb)
+    loop.hooks.begin_micro(it, mb)
+    tracker.set_phase(Phase.FORWARD)
+    start = tracker.num_records
+    # As HF Trainer's compute_loss: forward and loss inside
+    # autocast, backward outside (the autocast weight-cast
+    # cache is freed when the region exits).
+    with loop.offload_ctx():
+        loss = _forward_loss(loop, model, input_ids, labels, extra)
+        # What the forward leaves alive is what backward needs.
+        tracker.label_live_since(start, MemoryCategory.TEMPORARY, MemoryCategory.ACTIVATION)
+        # TRL DPO: the frozen reference's no_grad forward runs after the policy's.
+        ref_out = loop.reference(input_ids) if loop.reference is not None else None
+        if loop.lightning and mb == 0:
+            loop.optimizer.zero_grad(set_to_none=True)
+        tracker.set_phase(Phase.BACKWARD)
+        loss.backward()
+        tracker.backward_returned()
+    if not loop.plain:
+        loop.drop_previous()  # a step that keeps nothing into the next (litgpt under --runner torch)
+    del loss, input_ids, labels, extra
+    del ref_out
+    tracker.label([p.grad for p in loop.trainable if p.grad is not None], loop.held or MemoryCategory.GRADIENT)
+    loop.hooks.end_backward(it, mb)
+
+
+def _forward_loss(loop: _Loop, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                  extra: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The forward and the micro-batch's loss (divided by the accumulation
+    steps), as the runner computes them; what the loop keeps of the outputs
+    goes to ``loop.previous``."""
+    workload = loop.workload
+    if loop.hf:
+        with autocast_region(loop.autocast_dtype):
+            out = _forward(model, input_ids, labels, workload, extra)
+        if loop.autocast_dtype is not None:
+            out = _outputs_to_fp32(out)
+        loss = out["loss"]
+        del out
+        return loss / workload.grad_accum_steps
+    with autocast_region(loop.autocast_dtype):
+        out = _forward(model, input_ids, labels, workload, extra, loop.drop_previous)
+    if workload.outputs_to_fp32:  # Fabric: after its forward_context, before the loss
+        from llmem_plugin.techniques.loss import fabric_cast
+
+        out = fabric_cast(out)
+    loss = out["loss"] / workload.grad_accum_steps
+    if loop.held_through_backward:
+        loop.drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
+        loop.previous.append(out)
+    del out
+    return loss
+
+
+def _optimizer_step(loop: _Loop) -> None:
+    """The accumulation window's end: HF Trainer's gradient clipping, the
+    optimizer step (untraced when it runs on the host), its states labelled,
+    ``zero_grad``."""
+    tracker = loop.tracker
+    tracker.set_phase(Phase.OPTIMIZER)
+    if loop.hf and not loop.offload:
+        # Trainer: accelerator.clip_grad_norm_ -> torch.nn.utils.clip_grad_norm_
+        # (foreach on CUDA) when max_grad_norm > 0, its default 1.0.
+        torch.nn.utils.clip_grad_norm_(loop.trainable, _HF_MAX_GRAD_NORM, foreach=True)
+    with _pause.untracked() if loop.offload else contextlib.nullcontext():
+        stepped = loop.hooks.step(loop.optimizer)
+    if stepped is not None:
+        tracker.label(state_tensors(stepped), loop.held or MemoryCategory.OPTIMIZER_STATE)
+        tracker.label(host_resident_state(stepped), MemoryCategory.HOST)
+    if not loop.lightning:
+        loop.optimizer.zero_grad(set_to_none=True)

@@ -86,7 +86,7 @@ def load_published(path: str | os.PathLike | None = None) -> list[dict[str, Any]
             from llmem_plugin.models import catalog
             from llmem_plugin.verify.validate import _workload
 
-            from llmem_plugin.models.litgpt import is_litgpt_source
+            from llmem_plugin.models.config import is_litgpt_source
 
             if not is_litgpt_source(row["model"]) and catalog.lookup(row["model"]) is None:
                 raise ConfigError(f"{n}: model {row['model']!r} is not in the catalog. HINT: llmem models, or "
@@ -131,7 +131,7 @@ def _predict(row: dict[str, Any]) -> int:
     from llmem_plugin.estimate import estimate
     from llmem_plugin.verify.validate import _workload
 
-    from llmem_plugin.models.litgpt import is_litgpt_source
+    from llmem_plugin.models.config import is_litgpt_source
 
     if is_litgpt_source(row["model"]):  # litgpt's own model class, built from litgpt's config table
         source = row["model"]

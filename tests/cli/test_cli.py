@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from llmem_plugin.models import catalog
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.models.config import count_parameters
+from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
 
 from ._run import run
 
@@ -30,7 +31,7 @@ def test_estimate_runs_offline_on_every_catalog_model(capsys, monkeypatch, name)
     assert code == 0, err
     assert ("precision bf16 (the default for this model" in err) == (name in MOE), err
     data = json.loads(out)
-    params, _ = catalog.count_parameters(catalog.load_config(name))
+    params, _ = count_parameters(catalog.load_config(name))
     assert data["params"] == params == data["trainable_params"]
     assert data["peak_phase"] in {"forward", "backward", "optimizer"}
     assert sum(data["breakdown"].values()) == data["peak_tensor_bytes"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmem_plugin.cli.app import EXIT_BAD_INPUT
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.device.gpus import gpu_names
 
 from ._run import run

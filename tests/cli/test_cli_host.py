@@ -8,7 +8,7 @@ import json
 import pytest
 import transformers
 
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
 from llmem_plugin.device.host import process_baseline_bytes
 
 from ._run import run

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
 from llmem_plugin.trace.step import MAX_TRACED_MICRO_STEPS
 
 from ._run import run

@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
 
 from ._run import run
 

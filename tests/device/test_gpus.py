@@ -40,7 +40,7 @@ FIELDS = {f.name for f in dataclasses.fields(GPU)}
 
 
 def _raw() -> dict:
-    path = resources.files("llmem_plugin.models.catalog").joinpath("gpus.json")
+    path = resources.files("llmem_plugin.device").joinpath("gpus.json")
     return json.loads(path.read_text(encoding="utf-8"))["gpus"]
 
 

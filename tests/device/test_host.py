@@ -204,7 +204,7 @@ def test_70b_on_one_a10g_is_refused_for_host_memory():
 
 
 def test_unit_labels_name_the_checkpointing():
-    from llmem_plugin.planner.search import _Config, _unit_label
+    from llmem_plugin.planner.candidates import _Config, _unit_label
 
     assert _unit_label(_Config("zero3-offload", 1), False, [False, True]) == "zero3-offload without ckpt"
     assert _unit_label(_Config("zero3-offload", 1), True, [False, True]) == "zero3-offload +ckpt"

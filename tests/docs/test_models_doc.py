@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmem_plugin.models import catalog
-from llmem_plugin.models.tasks import Task, config_task
+from llmem_plugin.models.tasks import config_task
+from llmem_plugin.workload import Task
 
 DOC = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
 

@@ -16,7 +16,7 @@ from llmem_plugin.integrations import colossalai as adapter
 
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.planner.search import planner_methods
+from llmem_plugin.planner.candidates import planner_methods
 from llmem_plugin.workload import Precision
 
 from tests.conftest import tiny_config

@@ -26,7 +26,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import colossal
 from llmem_plugin.methods.layout import Layout
-from llmem_plugin.methods.zero import ZeroCategory
+from llmem_plugin.methods._zero_buffers import ZeroCategory
 from llmem_plugin.trace.tracker import MemoryCategory as C
 from llmem_plugin.workload import LoraSpec, Workload
 

@@ -76,7 +76,7 @@ _WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.trace.step import trace_step
     from llmem_plugin.workload import Workload
     from tests.conftest import tiny_config

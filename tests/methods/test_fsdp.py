@@ -249,7 +249,7 @@ _WORKER = textwrap.dedent("""
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
     from torch.distributed.device_mesh import init_device_mesh
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import _local_step, fsdp
     from llmem_plugin.workload import LoraSpec, Workload

@@ -366,7 +366,7 @@ _WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import tp
     from llmem_plugin.methods.layout import Layout

@@ -42,6 +42,7 @@ from torch import nn
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import zero
+from llmem_plugin.methods._zero_buffers import ZeroCategory
 from llmem_plugin.methods.layout import Layout
 from llmem_plugin.trace.tracker import MemoryCategory as C
 from llmem_plugin.trace.tracker import Phase, round_allocation
@@ -275,14 +276,14 @@ def test_traced_buffers_match_the_plan(stage):
     if stage < 3:
         master = sum(round_allocation(4 * g.partition) for g in plan.groups)
         assert top[C.GRADIENT] == round_allocation(2 * plan.in_numel())  # grads_in_partition
-        assert top[zero.ZeroCategory.BUCKETS] >= round_allocation(2 * plan.cfg.reduce_bucket_size)
+        assert top[ZeroCategory.BUCKETS] >= round_allocation(2 * plan.cfg.reduce_bucket_size)
     else:
         master = sum(round_allocation(4 * sum(plan.part(p) for p in sg)) for sg in plan.sub_groups)
         assert top[C.GRADIENT] == round_allocation(2 * sum(plan.part(p) for p in plan.trainable))
         # every param is gathered at some point
-        assert top[zero.ZeroCategory.GATHERED_PARAMS] >= max(round_allocation(2 * p.numel()) for p in plan.params)
-    assert top[zero.ZeroCategory.MASTER_WEIGHTS] == master
-    assert top[zero.ZeroCategory.FP32_GRADIENTS] >= master // len(plan.groups or plan.sub_groups)
+        assert top[ZeroCategory.GATHERED_PARAMS] >= max(round_allocation(2 * p.numel()) for p in plan.params)
+    assert top[ZeroCategory.MASTER_WEIGHTS] == master
+    assert top[ZeroCategory.FP32_GRADIENTS] >= master // len(plan.groups or plan.sub_groups)
 
 
 def test_zero1_keeps_full_gradients_until_the_boundary():
@@ -309,8 +310,8 @@ def test_offload_moves_optimizer_states_to_the_host():
         on, off = est[name].worst, est[f"{name}-offload"].worst
         assert on.host_bytes == 0 < off.host_bytes
         assert off.peak_tensor_bytes < on.peak_tensor_bytes
-        assert zero.ZeroCategory.MASTER_WEIGHTS.value in on.breakdown
-        assert zero.ZeroCategory.MASTER_WEIGHTS.value not in off.breakdown
+        assert ZeroCategory.MASTER_WEIGHTS.value in on.breakdown
+        assert ZeroCategory.MASTER_WEIGHTS.value not in off.breakdown
         assert C.OPTIMIZER_STATE.value not in off.breakdown
     st = zero.model_states(tiny_config("llama"), WL, layout=Layout(num_gpus=2), stage=2, offload_optimizer=True,
                            config=AUTO)
@@ -348,7 +349,7 @@ _WORKER = textwrap.dedent("""
     import torch
     sys.path.insert(0, os.environ["REPO"])
     import deepspeed
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.trace.emulation import cuda_emulation
     from llmem_plugin.methods import zero
     from llmem_plugin.trace.tracker import MemoryCategory, MemoryTracker, Phase

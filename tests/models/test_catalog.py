@@ -15,6 +15,7 @@ import pytest
 import transformers
 
 from llmem_plugin.models import catalog
+from llmem_plugin.models.config import count_parameters
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.models.tasks import config_task
 
@@ -85,7 +86,7 @@ def test_meta_build_matches_published_params(name: str) -> None:
     config = catalog.load_config(name)
     assert isinstance(config, transformers.PretrainedConfig)
     assert type(config).__name__ != "PretrainedConfig"  # a model-specific class
-    num_params, num_layers = catalog.count_parameters(config)
+    num_params, num_layers = count_parameters(config)
     raw = catalog.config_dict(name)
     text = raw.get("text_config", raw)
     assert num_layers == next(text[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in text)
@@ -104,9 +105,9 @@ def test_published_dtype_reaches_the_config() -> None:
 
 def test_count_parameters_is_fast_for_70b() -> None:
     config = catalog.load_config("llama-3.1-70b")
-    catalog.count_parameters(config)  # warm up imports
+    count_parameters(config)  # warm up imports
     start = time.perf_counter()
-    num_params, _ = catalog.count_parameters(config)
+    num_params, _ = count_parameters(config)
     elapsed_s = time.perf_counter() - start
     assert num_params == 70_553_706_496
     assert elapsed_s < 1.0, f"meta build of a 70B model took {elapsed_s:.2f} s"

@@ -15,6 +15,7 @@ import yaml
 
 from llmem_plugin.models import litgpt as lg
 from llmem_plugin.models import modelbuild
+from llmem_plugin.models.config import resolve_config
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.trace.step import micro_mark
 from llmem_plugin.trace.tracker import round_allocation
@@ -127,7 +128,7 @@ def test_bad_names_files_and_adapter_dtypes_are_refused(tmp_path):
 def test_distributed_methods_and_the_planner_refuse_a_litgpt_model(tmp_path):
     source = small_config(tmp_path)
     with pytest.raises(UnsupportedError, match="one GPU only"):
-        modelbuild.resolve_config(source)
+        resolve_config(source)
     est = importlib.import_module("llmem_plugin.estimate")
     model = modelbuild.build_model(source, lora_wl(), device="meta")
     with pytest.raises(UnsupportedError, match="one GPU only"):

@@ -9,14 +9,8 @@ import transformers
 
 from llmem_plugin.models import catalog
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.models.modelbuild import (
-    build_model,
-    check_config,
-    default_precision,
-    num_layers,
-    resolve_config,
-    set_num_layers,
-)
+from llmem_plugin.models.config import check_config, num_layers, resolve_config, set_num_layers
+from llmem_plugin.models.modelbuild import build_model, default_precision
 from llmem_plugin.workload import Workload
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

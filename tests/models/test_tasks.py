@@ -290,7 +290,7 @@ def test_catalog_models_as_classifiers_have_their_class_parameters(name, cls):
 
 
 def test_report_names_the_loss_path():
-    from llmem_plugin.cli.report import loss_path
+    from llmem_plugin.summary import loss_path
 
     cfg = transformers.LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"])
     plain = llmem_plugin.estimate(cfg, seq_len=16)

@@ -13,7 +13,8 @@ import transformers
 
 from llmem_plugin.errors import ConfigError, WontFitError
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.planner.search import DEFAULT_MARGIN, plan, planner_methods
+from llmem_plugin.planner.candidates import planner_methods
+from llmem_plugin.planner.search import DEFAULT_MARGIN, plan
 from llmem_plugin.workload import LoraSpec, OptimizerKind, Workload
 
 from tests.conftest import room
@@ -157,7 +158,7 @@ def test_bad_input_is_one_clear_line(kw, fragment):
 
 def test_every_planner_method_maps_to_a_registered_one():
     from llmem_plugin.methods import method_names
-    from llmem_plugin.planner.search import _VARIANTS
+    from llmem_plugin.planner.candidates import _VARIANTS
 
     for m in planner_methods():
         assert _VARIANTS.get(m, (m, {}))[0] in method_names()
@@ -174,7 +175,7 @@ def test_pruning_skips_only_what_cannot_win():
     assert pruned.choice.key == full.choice.key
     assert len(pruned.candidates) <= len(full.candidates)
     # Rebuild the planner's context to evaluate the bounds themselves.
-    from llmem_plugin.planner import search as planner
+    from llmem_plugin.planner import bounds as planner
 
     seen = []
     original = planner._time_bound
@@ -199,7 +200,7 @@ def test_pruning_skips_only_what_cannot_win():
 def test_the_memory_bound_is_below_every_full_trace():
     """A unit skipped for memory must really not fit: its bound is at most
     the full trace of its smallest candidate (micro-batch 1, one micro-step)."""
-    from llmem_plugin.planner import search as planner
+    from llmem_plugin.planner import bounds as planner
 
     seen = []
     original = planner._memory_bound
@@ -242,7 +243,7 @@ def test_method_fast_mode_extrapolates_the_allocated_peak(method):
 @pytest.mark.parametrize("kind", list(OptimizerKind))
 def test_every_optimizer_has_a_state_bound_and_a_step_cost(kind):
     from llmem_plugin.planner.cost import optimizer_bytes_per_element
-    from llmem_plugin.planner.search import _state_bytes_per_element
+    from llmem_plugin.planner.bounds import _state_bytes_per_element
 
     wl = Workload(optimizer=kind)
     # AdamW's two fp32 states (4 + 4 B per element) bound every kind from above:

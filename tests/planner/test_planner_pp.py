@@ -81,7 +81,7 @@ def _method_estimate(c, layers: int, *, fast: bool):
 def test_shallow_stages_are_screened_at_full_depth_and_need_no_verification(monkeypatch):
     """Stages of at most pp.FAST_FULL_DEPTH_LAYERS layers: fast mode traces them whole, so every pipeline
     candidate is the method's full-depth estimate at its configuration and the choice is not traced again."""
-    import llmem_plugin.planner.search as planner
+    import llmem_plugin.planner.verify as planner
 
     def refuse(*_):
         raise AssertionError("a pipeline screened at full depth was traced again")
@@ -120,7 +120,9 @@ def test_the_receive_buffer_bound_is_under_every_ranks_estimate(tp, precision):
     the stage's parameters gathered in bf16 and their gradients accumulated in FSDP2's fp32 reduce dtype."""
     from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.planner.search import _Config, _Context, _lower_bound, _pipeline_splits, _receive_buffers_bound
+    from llmem_plugin.planner.bounds import _lower_bound, _receive_buffers_bound
+    from llmem_plugin.planner.candidates import _Config, _Context
+    from llmem_plugin.planner.space import _pipeline_splits
 
     model = tiny_config("llama")
     wl = dataclasses.replace(WL, micro_batch_size=1, precision=precision)
@@ -185,7 +187,8 @@ def test_the_critical_path_bytes_are_the_methods_own_count(method):
     layers: two stages per rank interleaved) must equal them."""
     from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.planner.search import _Config, _Context, _pp_path_bytes
+    from llmem_plugin.planner.candidates import _Config, _Context
+    from llmem_plugin.planner.screen import _pp_path_bytes
 
     model = tiny_config("llama", num_hidden_layers=8)
     wl = dataclasses.replace(WL, micro_batch_size=1)
@@ -216,7 +219,7 @@ def test_a_pipeline_screen_takes_the_other_units_and_a_verification_beside_it(mo
     """On two or more cores a batch that screens a pipeline configuration also screens every other ready unit
     and verifies the fastest fitting candidate screened so far beside it; the plan is the same as one that
     screens and verifies one after the other (one core): the same choice, with the same traced numbers."""
-    import llmem_plugin.planner.search as planner
+    import llmem_plugin.planner.screen as planner
 
     kw = dict(gpu="h100-sxm", num_gpus=4, workload=WL, methods=["fsdp", "zero3", "pp"], tps=[1], global_batch=8,
               grad_checkpointing=False, prune=False)

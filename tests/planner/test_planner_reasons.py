@@ -90,7 +90,7 @@ def test_plan_after_init_process_group_leaves_the_real_group_working(tmp_path):
 def test_a_failing_suggestion_search_keeps_the_wont_fit_verdict(monkeypatch):
     """An adapter stops a job on WontFitError: whatever goes wrong while
     searching for changes that would fit, the verdict is still raised."""
-    from llmem_plugin.planner import search as planner
+    from llmem_plugin.planner import explain as planner
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -8,6 +8,7 @@ from importlib import resources
 import pytest
 
 from llmem_plugin.cli import app as cli
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.recipes import read_recipe
 from llmem_plugin.recipes._hf import HF_OPTIMIZERS
@@ -152,13 +153,13 @@ def test_unknown_key_listed(tmp_path):
 
 def test_bf16_on_a_gpu_without_it(tmp_path, capsys):
     path = _write(tmp_path, _BASE)
-    assert cli.main(["estimate", "--config", path, "--gpu", "v100-32gb"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["estimate", "--config", path, "--gpu", "v100-32gb"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bf16=auto" in err[0] and "lacks" in err[0]
 
 
 def test_packing_needs_documents(tmp_path, capsys):
     path = _write(tmp_path, _BASE + "sample_packing: true\nattn_implementation: flash_attention_2\n")
-    assert cli.main(["estimate", "--config", path]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["estimate", "--config", path]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--packed-docs" in err[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmem_plugin.cli import app as cli
+from llmem_plugin.cli import options
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.models.modelbuild import build_model
 from llmem_plugin.recipes import read_recipe
@@ -15,8 +16,8 @@ CONFIGS = sorted((EXAMPLES / "torchtune").glob("*.yaml"))
 
 def _workload(recipe):
     args = cli.build_parser().parse_args(["estimate", *recipe.argv()])
-    cli._choose_precision(args)
-    return args, cli._workload(args)
+    options.choose_precision(args)
+    return args, options.build_workload(args)
 
 
 def test_three_examples():

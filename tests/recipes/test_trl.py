@@ -8,6 +8,7 @@ from importlib import resources
 import pytest
 
 from llmem_plugin.cli import app as cli
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.recipes import read_recipe
 from llmem_plugin.recipes._hf import HF_OPTIMIZERS
@@ -102,7 +103,7 @@ def test_refusals(tmp_path, extra, exc, needle):
 
 def test_packing_needs_documents(tmp_path, capsys):
     path = _write(tmp_path, _BASE + "packing: true\nattn_implementation: flash_attention_2\n")
-    assert cli.main(["estimate", "--config", path]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["estimate", "--config", path]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--packed-docs" in err[0]
 

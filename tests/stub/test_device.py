@@ -25,7 +25,7 @@ print(json.dumps({"name": p.name, "total": p.total_memory, "cc": [p.major, p.min
 @pytest.mark.parametrize("gpu", ["h100-sxm", "a100-40gb", "h200"])
 def test_device_reports_the_catalog_gpu(stub, gpu):
     got = stub.run_json(["-c", _PROPS + stub.EXIT], gpu=gpu)
-    spec = json.loads((stub.ROOT / "llmem_plugin/models/catalog/gpus.json").read_text())["gpus"][gpu]
+    spec = json.loads((stub.ROOT / "llmem_plugin/device/gpus.json").read_text())["gpus"][gpu]
     total = spec["driver_memory_bytes"] or spec["memory_bytes"]
     assert got == {"name": spec["display_name"], "total": total, "cc": spec["compute_capability"],
                    "sms": spec["num_sms"], "free": total, "mem_total": total}

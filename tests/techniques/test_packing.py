@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmem_plugin.techniques import packing
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, main
+from llmem_plugin.cli.app import main
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.trace.emulation.flash import flash_attn_varlen_func
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.techniques import check_supported

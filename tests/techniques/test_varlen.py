@@ -171,3 +171,58 @@ def test_regime_ends_off_the_grid_are_derived_never_below_the_true_sizes(switch,
         for i, e in enumerate(true.events):
             assert sizes[i] == e[2] if der.exact[i] else sizes[i] >= e[2], (s, i)
     assert model.traces < len(needed) / 2  # derived, not traced length by length
+
+
+# ----------------------------------------------------------------------------- the steps of piecewise
+
+
+def test_grid_lengths_are_32_token_steps_below_128_then_128_token_steps():
+    assert varlen._grid(40, 470) == [32, 64, 96, 128, 256, 384, 512]
+    assert varlen._grid(150, 470) == [128, 256, 384, 512]
+    assert varlen._grid(300, 300) == [128, 256, 384]  # at least three, for a quadratic
+    assert varlen._grid(5, 20) == [32, 64, 96, 128]
+
+
+@pytest.mark.parametrize("switch, low, high, runs, firsts", [
+    (300, 130, 599, [(0, 1), (2, 4)], [128, 300]),  # grid 128..640: 128 and 256 before the switch
+    (100, 33, 126, [(0, 2), (3, 3)], [32, 100]),  # grid 32..128: 32, 64 and 96 before it
+    (10**6, 130, 599, [(0, 4)], [128]),  # no switch in the range
+])
+def test_runs_and_switch_lengths_find_where_the_structure_changes(switch, low, high, runs, firsts):
+    traces = varlen._Traces(_synthetic(switch))
+    grid = varlen._grid(low, high)
+    assert varlen._runs(grid, traces.sig) == runs
+    assert varlen._switch_lengths(grid, runs, traces.sig) == firsts
+
+
+def test_a_run_of_one_structure_is_confirmed_at_its_ends_and_middle():
+    traces = varlen._Traces(_synthetic(10**6))
+    varlen._runs([128, 256, 384, 512, 640], traces.sig)
+    assert sorted(traces.cache) == [128, 384, 640]
+
+
+def test_exact_regimes_are_each_lengths_own_trace():
+    trace = _synthetic(100)
+    regimes = varlen._Regimes([40, 41, 45, 90], varlen._Traces(trace))
+    regimes.exact(33, 50)
+    assert [(lo, hi) for lo, hi, _ in regimes.regimes] == [(40, 40), (41, 41), (45, 45)]
+    for s, _, der in regimes.regimes:
+        assert der.sizes(s) == [e[2] for e in trace(s).events]
+    many = varlen._Regimes(list(range(33, 33 + varlen._MAX_EXACT_TRACES + 1)), varlen._Traces(trace))
+    with pytest.raises(llmem_plugin.UnsupportedError, match="too close together for a fit"):
+        many.exact(33, 33 + varlen._MAX_EXACT_TRACES)
+
+
+def test_fit_derives_a_regime_through_three_grid_lengths_and_an_off_grid_check():
+    trace = _synthetic(10**6)
+    traces = varlen._Traces(trace)
+    regimes = varlen._Regimes(list(range(130, 600)), traces)
+    regimes.fit(130, 599, [128, 256, 384, 512, 640], False, True)
+    [(first, last, der)] = regimes.regimes
+    assert (first, last) == (130, 599)
+    assert der.lengths == (128, 384, 640, 128 + varlen.GRID // 2 + 1) and sorted(traces.cache) == [128, 193, 384, 640]
+    # 4 and 4096 bytes a token are quadratics; the buffer padded to 128 tokens is bounded by the round-up.
+    assert der.exact == [True, True, False] + [True] * 3  # then the three frees, of 0 bytes
+    for s in range(130, 600):
+        true = [e[2] for e in trace(s).events]
+        assert der.sizes(s) == true, s  # the padded buffer at s rounded up to 128 is its true size

@@ -11,7 +11,7 @@ from llmem_plugin.trace import fastsynth
 from llmem_plugin.models import modelbuild
 from llmem_plugin.estimate import _trace
 from llmem_plugin.models.layerkinds import layer_kinds, plan_layers, shortened_config
-from llmem_plugin.trace.layertags import decoder_layers
+from llmem_plugin.models.config import decoder_layers
 from llmem_plugin.workload import LoraSpec, Workload
 
 from tests.conftest import tiny_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import llmem_plugin
-from llmem_plugin.trace.step import LOADED_MARK
+from llmem_plugin.trace.loading import LOADED_MARK
 from llmem_plugin.trace.tracker import Phase
 from llmem_plugin.trace.tracker import round_allocation as r
 from llmem_plugin.workload import LoraSpec, Workload

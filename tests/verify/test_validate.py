@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from llmem_plugin.models import catalog
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, main
+from llmem_plugin.cli.app import main
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.estimate import estimate
 from llmem_plugin.verify.validate import check_row, load_rows, validate_rows

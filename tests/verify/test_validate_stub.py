@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from llmem_plugin.models import catalog
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, main
+from llmem_plugin.cli.app import main
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.estimate import estimate
 from llmem_plugin.verify.validate import check_row, device_kind, validate_rows

@@ -32,7 +32,8 @@ import dataclasses
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["SCHEDULES", "SINGLE_STAGE", "V_SHAPED", "Chunk", "in_flight", "rank_actions", "stages_of_rank"]
+__all__ = ["SCHEDULES", "SINGLE_STAGE", "SPLIT_BACKWARD", "V_SHAPED", "Chunk", "in_flight", "rank_actions",
+           "stages_of_rank"]
 
 # llmem's names -> torch's (torch.distributed.pipelining.schedules.get_schedule_class)
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
@@ -40,6 +41,9 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1
 # One stage per rank (PipelineScheduleSingle); the V schedules place two stages per rank, r and 2p - 1 - r.
 SINGLE_STAGE = ("gpipe", "1f1b")
 V_SHAPED = ("zbv", "dualpipev")
+# Schedules that split each backward into input and weight gradients (torch.autograd.grad over parts of
+# the graph), or overlap forward and backward.
+SPLIT_BACKWARD = ("zbv", "dualpipev", "interleaved-zb")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -215,6 +215,73 @@ def _phased(stage: Any, tracker: MemoryTracker, on_action: Callable[[str, int, i
         setattr(stage, name, wrapped)
 
 
+def _pipeline_schedule(model: nn.Module, specs: list[StageSpec], modules: list[nn.Module], *, schedule: str,
+                       microbatches: int, micro_batch_size: int, seq_len: int, vocab: int, group: Any,
+                       activation_dtype: torch.dtype | None) -> tuple[list[Any], Any]:
+    """The rank's ``PipelineStage`` objects over ``modules`` (static shapes, :func:`_static_args`) and torch's
+    schedule class for ``schedule`` over them, with the model's own loss function."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from llmem_plugin.methods.pp.schedule import SCHEDULES
+
+    hidden = int(model.config.hidden_size)
+    dtype = activation_dtype or next(p for p in model.parameters() if p.is_floating_point()).dtype
+    device = torch.device("cpu")
+    stages = []
+    for spec, mod in zip(specs, modules):
+        inp, out = _static_args(spec, micro_batch_size, seq_len, hidden, vocab, dtype)
+        stages.append(PipelineStage(mod, spec.index, spec.num_stages, device, input_args=inp, output_args=out,
+                                    group=group))
+    loss_function = model.loss_function
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_function(logits, target, vocab)
+
+    cls = get_schedule_class(SCHEDULES[schedule])
+    sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, microbatches, loss_fn=loss_fn)
+    return stages, sched
+
+
+def _track_stages(tracker: MemoryTracker, stack: contextlib.ExitStack, specs: list[StageSpec],
+                  modules: list[nn.Module], stages: list[Any], params: list[nn.Parameter], *, fake: bool,
+                  contexts: tuple[contextlib.AbstractContextManager, ...],
+                  on_action: Callable[[str, int, int], None] | None) -> None:
+    """Inside ``tracker``: register the stages' parameters and buffers, enter ``contexts`` on ``stack`` (after
+    the fake P2P works that hold their tensors, in a fake run), and name and phase each compute action."""
+    if fake:
+        stack.enter_context(held_p2p_works())
+    tracker.register(params, MemoryCategory.PARAMETER)
+    tracker.register([b for m in modules for b in m.buffers()], MemoryCategory.PARAMETER)
+    for ctx in contexts:
+        stack.enter_context(ctx)
+    # Each allocation is attributed to the stage part running it ("s3.layers.0.mlp"), for segmenting.
+    tracker.watch_modules(nn.ModuleDict({f"s{spec.index}": mod for spec, mod in zip(specs, modules)}))
+    for stage in stages:
+        _phased(stage, tracker, on_action)
+
+
+def _optimizer_step(tracker: MemoryTracker, opt: torch.optim.Optimizer, trainable: list[nn.Parameter], *,
+                    iteration: int, step: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None,
+                    on_action: Callable[[str, int, int], None] | None) -> None:
+    """The optimizer step that ends an iteration: label the gradients, step (``step`` or ``opt.step()``),
+    label the states it holds, and drop the gradients."""
+    from llmem_plugin.trace.step import host_resident_state, state_tensors
+
+    tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
+    tracker.set_phase(Phase.OPTIMIZER)
+    if on_action is not None:
+        on_action("optimizer", -1, iteration)
+    if step is None:
+        opt.step()
+        stepped = opt
+    else:
+        stepped = step(opt)
+    tracker.label(state_tensors(stepped), MemoryCategory.OPTIMIZER_STATE)
+    tracker.label(host_resident_state(stepped), MemoryCategory.HOST)  # AdamW's step counters on CUDA
+    opt.zero_grad(set_to_none=True)
+
+
 def run_rank(
     model: nn.Module,
     specs: list[StageSpec],
@@ -267,29 +334,11 @@ def run_rank(
     Returns:
         The trace of the steps, read before the stages and the optimizer are released.
     """
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
-    from llmem_plugin.methods.pp.schedule import SCHEDULES
-    from llmem_plugin.trace.step import host_resident_state, state_tensors
-
     modules = modules if modules is not None else stage_modules(model, specs)
-    config = model.config
-    hidden, vocab = int(config.hidden_size), int(vocab_size or config.vocab_size)
-    dtype = activation_dtype or next(p for p in model.parameters() if p.is_floating_point()).dtype
-    device = torch.device("cpu")
-    stages = []
-    for spec, mod in zip(specs, modules):
-        inp, out = _static_args(spec, micro_batch_size, seq_len, hidden, vocab, dtype)
-        stages.append(PipelineStage(mod, spec.index, spec.num_stages, device, input_args=inp, output_args=out,
-                                    group=group))
-    loss_function = model.loss_function
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_function(logits, target, vocab)
-
-    cls = get_schedule_class(SCHEDULES[schedule])
-    sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, microbatches, loss_fn=loss_fn)
+    vocab = int(vocab_size or model.config.vocab_size)
+    stages, sched = _pipeline_schedule(model, specs, modules, schedule=schedule, microbatches=microbatches,
+                                       micro_batch_size=micro_batch_size, seq_len=seq_len, vocab=vocab, group=group,
+                                       activation_dtype=activation_dtype)
     params = [p for m in modules for p in m.parameters()]
     unique = list({id(p): p for p in params}.values())
     trainable = [p for p in unique if p.requires_grad]
@@ -299,17 +348,11 @@ def run_rank(
     mode_ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     rows = microbatches * micro_batch_size
     with mode_ctx, tracker, contextlib.ExitStack() as stack:
-        if fake_mode is not None:
-            stack.enter_context(held_p2p_works())
-        tracker.register(unique, MemoryCategory.PARAMETER)
-        tracker.register([b for m in modules for b in m.buffers()], MemoryCategory.PARAMETER)
-        for ctx in contexts:
-            stack.enter_context(ctx)
-        # Each allocation is attributed to the stage part running it ("s3.layers.0.mlp"), for segmenting.
-        tracker.watch_modules(nn.ModuleDict({f"s{spec.index}": mod for spec, mod in zip(specs, modules)}))
-        for stage in stages:
-            _phased(stage, tracker, on_action)
+        _track_stages(tracker, stack, specs, modules, stages, unique, fake=fake_mode is not None, contexts=contexts,
+                      on_action=on_action)
         for it in range(iterations):
+            # One schedule step after another, inline: the step's ids and targets stay referenced by these
+            # locals until the next step's replace them, one by one, which decides the allocator's reuse.
             for k in range(accumulation):
                 tracker.set_phase(Phase.SETUP)
                 if on_action is not None:
@@ -328,18 +371,7 @@ def run_rank(
                 tracker.register(batch, MemoryCategory.INPUT)
                 sched.step(*args, return_outputs=return_outputs, **kwargs)
                 del args, kwargs, batch
-            tracker.label([p.grad for p in trainable if p.grad is not None], MemoryCategory.GRADIENT)
-            tracker.set_phase(Phase.OPTIMIZER)
-            if on_action is not None:
-                on_action("optimizer", -1, it)
-            if step is None:
-                opt.step()
-                stepped = opt
-            else:
-                stepped = step(opt)
-            tracker.label(state_tensors(stepped), MemoryCategory.OPTIMIZER_STATE)
-            tracker.label(host_resident_state(stepped), MemoryCategory.HOST)  # AdamW's step counters on CUDA
-            opt.zero_grad(set_to_none=True)
+            _optimizer_step(tracker, opt, trainable, iteration=it, step=step, on_action=on_action)
         tracker.set_phase(Phase.SETUP)
         # Read while the stages, the schedule and the optimizer are alive: what they hold is freed when they
         # go, by reference counts or, for torch's cyclic stage structures, whenever the cyclic GC runs.

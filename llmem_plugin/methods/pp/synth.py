@@ -81,7 +81,7 @@ def trace_placeholder_rank(config: Any, loss_function: Any, specs: list[StageSpe
                            seq_len: int, dtype: torch.dtype, gpu: Any, return_outputs: bool,
                            accumulation: int) -> tuple[list[tuple[int, int, int]], list[tuple[str, int]]]:
     """Pipeline rank ``rank``'s two training steps with :class:`PlaceholderStage` stages, under the same
-    schedule, fake process group and CUDA emulation as :func:`~llmem_plugin.methods.pp.method.trace_rank`:
+    schedule, fake process group and CUDA emulation as :func:`~llmem_plugin.methods.pp.rank.trace_rank`:
     (events, segments) as it names them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

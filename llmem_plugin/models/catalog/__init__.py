@@ -6,13 +6,13 @@ only architecture facts, copied from the model's published ``config.json``
 id, the aliases users type (other spellings and the Hub ids of instruct
 variants with the same architecture), its family, and the published total
 parameter count with where that figure comes from. The tests build every
-model on the meta device and check that count, which is the independent check
-that the configs are right.
+model on the meta device (:func:`llmem_plugin.models.config.count_parameters`)
+and check that count, which is the independent check that the configs are
+right.
 
 Both files are package data read through :mod:`importlib.resources`, so the
 catalog works from a wheel and offline. ``transformers`` is imported only by
-:func:`load_config` and :func:`count_parameters`, so listing and resolving
-names stays cheap.
+:func:`load_config`, so listing and resolving names stays cheap.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ __all__ = [
     "entry",
     "config_dict",
     "load_config",
-    "count_parameters",
 ]
 
 _HINT = "HINT: run 'llmem models' for the catalog, or pass a path to a config.json"
@@ -234,55 +233,3 @@ def load_config(name: str, overrides: dict[str, Any] | None = None) -> transform
         fields["dtype"] = fields.pop("torch_dtype")
     return transformers.AutoConfig.for_model(model_type, **fields)
 
-
-def count_parameters(config: transformers.PretrainedConfig) -> tuple[int, int]:
-    """Count a model's parameters by building it on the meta device.
-
-    The model is the class its ``architectures`` names
-    (:func:`llmem_plugin.models.tasks.config_task`; a causal LM by default), e.g.
-    ``AutoModelForCausalLM.from_config(config)``, built under
-    ``torch.device("meta")``, so no weights are allocated; a 70B model takes
-    well under a second once ``transformers`` is imported.
-
-    Args:
-        config: A ``transformers`` config, e.g. from :func:`load_config`.
-
-    Returns:
-        ``(num_params, num_layers)``: the number of parameter elements with
-        tied weights counted once (unique ``Parameter`` objects), and the
-        number of transformer layers (``config.num_hidden_layers``).
-
-    Raises:
-        ConfigError: ``config`` is not an architecture known to
-            ``transformers``, or does not say how many layers it has.
-        UnsupportedError: Its class's task is not modelled.
-    """
-    import torch
-    import transformers
-
-    try:
-        with torch.device("meta"):
-            from llmem_plugin.models.tasks import auto_class, config_task
-
-            model = auto_class(config_task(config)).from_config(config)
-    except ValueError as e:
-        raise ConfigError(
-            f"model_type {config.model_type!r} has no causal-LM class in transformers "
-            f"{transformers.__version__}: {str(e).splitlines()[0]} "
-            "HINT: pass a decoder-only (causal LM) config"
-        ) from e
-    from llmem_plugin.models.modelbuild import num_layers as layers_of
-
-    try:
-        num_layers = layers_of(config)  # a vision-language config's text model's
-    except ConfigError:
-        num_layers = None
-    if not isinstance(num_layers, int):
-        raise ConfigError(
-            f"config of model_type {config.model_type!r} has no integer num_hidden_layers "
-            f"(got {num_layers!r}) HINT: set num_hidden_layers in the config.json"
-        )
-    # Tied weights (e.g. lm_head and the embedding) are one Parameter object
-    # shared by two modules; count each object once.
-    unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
-    return sum(p.numel() for p in unique.values()), num_layers

@@ -13,7 +13,8 @@ import pytest
 from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.methods.pp.method import FAST_FULL_DEPTH_LAYERS, stage_specs, trace_rank
+from llmem_plugin.methods.pp.method import FAST_FULL_DEPTH_LAYERS, stage_specs
+from llmem_plugin.methods.pp.rank import trace_rank
 from llmem_plugin.methods.pp.schedule import in_flight, stages_of_rank
 from llmem_plugin.workload import Workload
 from tests.conftest import tiny_config
@@ -51,9 +52,10 @@ _WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.methods.pp.method import stage_specs, trace_rank
+    from llmem_plugin.methods.pp.method import stage_specs
+    from llmem_plugin.methods.pp.rank import trace_rank
     from llmem_plugin.methods.pp.schedule import stages_of_rank
     from tests.methods.pp.test_pp import P, M, V_OF, _case, _config
 
@@ -103,9 +105,10 @@ _FSDP_WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.methods.pp.method import pipeline_mesh, stage_specs, trace_rank
+    from llmem_plugin.methods.pp.method import stage_specs
+    from llmem_plugin.methods.pp.rank import pipeline_mesh, trace_rank
     from llmem_plugin.methods.pp.schedule import stages_of_rank
     from tests.methods._gloo_fsdp import use_gloo_collectives
     from tests.methods.pp.test_pp import FSDP_WL, P, M, DP, _config
@@ -146,9 +149,10 @@ _ACCUM_WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.methods.pp.method import pipeline_mesh, stage_specs, trace_rank
+    from llmem_plugin.methods.pp.method import stage_specs
+    from llmem_plugin.methods.pp.rank import pipeline_mesh, trace_rank
     from tests.methods._gloo_fsdp import use_gloo_collectives
     from tests.methods.pp.test_pp import ACCUM, ACCUM_WL, DP, _config
 

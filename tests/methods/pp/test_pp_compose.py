@@ -12,7 +12,8 @@ import pytest
 
 from llmem_plugin.device.gpus import get_gpu
 from llmem_plugin.methods import Layout, estimate_method
-from llmem_plugin.methods.pp.method import stage_specs, trace_rank
+from llmem_plugin.methods.pp.method import stage_specs
+from llmem_plugin.methods.pp.rank import trace_rank
 from llmem_plugin.methods.pp.compose import compose_runs, virtual_pipeline
 from llmem_plugin.methods.pp.schedule import stages_of_rank
 from llmem_plugin.methods.pp.stage import StageSpec
@@ -31,7 +32,7 @@ def _config(layers: int = 8):
 
 
 def _segments_peak(trace, segments):
-    from llmem_plugin.methods.pp.method import segment_peaks
+    from llmem_plugin.methods.pp.rank import segment_peaks
 
     return segment_peaks(trace, segments)
 

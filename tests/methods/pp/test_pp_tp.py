@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from llmem_plugin.device.gpus import get_gpu
-from llmem_plugin.methods.pp.method import stage_specs, trace_rank
+from llmem_plugin.methods.pp.method import stage_specs
+from llmem_plugin.methods.pp.rank import trace_rank
 from tests.conftest import tiny_config
 
 from tests.methods._gloo import run_gloo
@@ -32,9 +33,10 @@ _WORKER = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     sys.path.insert(0, os.environ["REPO"])
-    from llmem_plugin import modelbuild
+    from llmem_plugin.models import modelbuild
     from llmem_plugin.device.gpus import get_gpu
-    from llmem_plugin.methods.pp.method import pipeline_mesh, stage_specs, trace_rank
+    from llmem_plugin.methods.pp.method import stage_specs
+    from llmem_plugin.methods.pp.rank import pipeline_mesh, trace_rank
     from tests.methods._gloo_fsdp import use_gloo_collectives
     from tests.methods.pp.test_pp_tp import CASES, M, P, TP, _config
 

@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmem_plugin.trace import _pause
 from llmem_plugin.models import modelbuild
-from llmem_plugin.cli.app import EXIT_BAD_INPUT, main
+from llmem_plugin.cli.app import main
+from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.trace.emulation import flash
 from llmem_plugin.trace.emulation.flash import (
     ATTN_NAME,
