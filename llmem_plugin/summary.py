@@ -2,15 +2,17 @@
 
 It sits below both :mod:`llmem_plugin.estimate` (whose ``Estimate.__str__``
 renders through it) and :mod:`llmem_plugin.cli.report` (which prints it and
-renders the other reports with its helpers), so the core never imports the CLI.
+renders the other reports with its helpers), so the core never imports the CLI's
+commands. Its tables are laid out by :mod:`llmem_plugin.cli.columns`, which
+imports nothing but rich, so that they fit the terminal without cutting a name.
 """
 
 from __future__ import annotations
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from llmem_plugin.cli.columns import Column, print_fitted
 from llmem_plugin.trace.tracker import MemoryCategory, Phase
 
 __all__ = [
@@ -136,6 +138,45 @@ def adapter_dtype(wl) -> str:
     return ""
 
 
+def _print_breakdown(est, console: Console) -> None:
+    """The tensors at the peak by category, then the peak, its phase and module (a module path wraps)."""
+    labels = [cat.value for cat in MemoryCategory if cat is not MemoryCategory.HOST]
+    values = [gib(est.breakdown.get(cat, 0)) for cat in MemoryCategory if cat is not MemoryCategory.HOST]
+    totals = len(labels)
+    labels += ["peak tensors", "peak phase"]
+    values += [gib(est.peak_tensor_bytes), est.peak_phase.value]
+    if est.peak_module:
+        labels.append("active module")
+        values.append(est.peak_module)
+    print_fitted(console, [Column(header="tensors at the peak", cells=labels, style="bold"),
+                           Column(header="GiB", cells=values, justify="right", wrap=True)], sections={totals})
+
+
+def _print_per_gpu(est, console: Console) -> None:
+    """What the GPU holds: torch's two peaks, nvidia-smi's total, the overheads outside the tensors, the
+    verdict (what each is called wraps at narrow widths)."""
+    ov = est.overheads
+    rows = [("allocated", gib(est.peak_allocated_bytes), "torch.cuda.max_memory_allocated"),
+            ("reserved", gib(est.peak_reserved_bytes), "torch.cuda.max_memory_reserved"),
+            ("device total", gib(est.device_total_bytes), "nvidia-smi used memory")]
+    overheads = len(rows)
+    rows += [("cuBLAS workspaces", gib(ov.num_cublas_workspaces * ov.cublas_workspace_bytes
+                                       + ov.cublaslt_workspace_bytes), "inside allocated"),
+             ("CUDA context", gib(ov.cuda_context_bytes), "outside the allocator")]
+    if ov.nccl_bytes:
+        rows.append(("NCCL buffers", gib(ov.nccl_bytes), "outside the allocator"))
+    if est.paged_bytes:
+        rows.append(("paged optimizer states", gib(est.paged_bytes), "CUDA managed memory, evictable to host"))
+    headroom = est.capacity_bytes - est.device_total_bytes
+    rows.append(("verdict", "fits" if est.fits else "does NOT fit", f"headroom {gib(headroom)} GiB"))
+    labels, values, names = zip(*rows)
+    print_fitted(console, [Column(header="", cells=labels, style="bold"),
+                           Column(header="GiB", cells=values, justify="right"),
+                           Column(header="what torch / nvidia-smi calls it", cells=names, wrap=True)],
+                 row_styles=[None] * (len(rows) - 1) + ["green" if est.fits else "red"], sections={overheads},
+                 title=f"per GPU ({est.gpu}, {gib(est.capacity_bytes)} GiB)", title_justify="left")
+
+
 def render_estimate(est, console: Console) -> None:
     """Print the breakdown at the peak of ``est`` (an :class:`llmem_plugin.estimate.Estimate`)."""
     wl = est.workload
@@ -152,39 +193,8 @@ def render_estimate(est, console: Console) -> None:
         f"seq {wl.seq_len} x batch {wl.micro_batch_size}, {wl.precision.value}, {wl.optimizer.value}{lora}{gc}"
     )
     console.print(title)
-    table = Table()
-    table.add_column("tensors at the peak", style="bold")
-    table.add_column("GiB", justify="right")
-    for cat in MemoryCategory:
-        if cat is MemoryCategory.HOST:
-            continue
-        table.add_row(cat.value, gib(est.breakdown.get(cat, 0)))
-    table.add_section()
-    table.add_row("peak tensors", gib(est.peak_tensor_bytes))
-    table.add_row("peak phase", est.peak_phase.value)
-    if est.peak_module:
-        table.add_row("active module", est.peak_module)
-    console.print(table)
-    ov = est.overheads
-    per_gpu = Table(title=f"per GPU ({est.gpu}, {gib(est.capacity_bytes)} GiB)", title_justify="left")
-    per_gpu.add_column("", style="bold")
-    per_gpu.add_column("GiB", justify="right")
-    per_gpu.add_column("what torch / nvidia-smi calls it")
-    per_gpu.add_row("allocated", gib(est.peak_allocated_bytes), "torch.cuda.max_memory_allocated")
-    per_gpu.add_row("reserved", gib(est.peak_reserved_bytes), "torch.cuda.max_memory_reserved")
-    per_gpu.add_row("device total", gib(est.device_total_bytes), "nvidia-smi used memory")
-    per_gpu.add_section()
-    per_gpu.add_row("cuBLAS workspaces", gib(ov.num_cublas_workspaces * ov.cublas_workspace_bytes
-                                             + ov.cublaslt_workspace_bytes), "inside allocated")
-    per_gpu.add_row("CUDA context", gib(ov.cuda_context_bytes), "outside the allocator")
-    if ov.nccl_bytes:
-        per_gpu.add_row("NCCL buffers", gib(ov.nccl_bytes), "outside the allocator")
-    if est.paged_bytes:
-        per_gpu.add_row("paged optimizer states", gib(est.paged_bytes), "CUDA managed memory, evictable to host")
-    verdict = "fits" if est.fits else "does NOT fit"
-    headroom = est.capacity_bytes - est.device_total_bytes
-    per_gpu.add_row("verdict", verdict, f"headroom {gib(headroom)} GiB", style="green" if est.fits else "red")
-    console.print(per_gpu)
+    _print_breakdown(est, console)
+    _print_per_gpu(est, console)
     if est.alloc_retries:
         console.print(f"at this capacity the allocator frees its cached blocks and retries {est.alloc_retries} "
                       "time(s) per run (torch's num_alloc_retries): reserved is the replay capped at the GPU's "

@@ -121,7 +121,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
         console = Console()
         show_recipe(args, console)
-        render_plan(result, Console(width=max(console.width, 130)), show_all=args.all)
+        render_plan(result, console, show_all=args.all)
     return code
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.console import Console
-from rich.table import Table
 
+from llmem_plugin.cli.columns import Column, print_fitted
 from llmem_plugin.summary import adapter_dtype as _adapter_dtype, checkpointing_policy, gib, qlora_path
 from llmem_plugin.summary import host_line as _host_line
 from llmem_plugin.verify.validate import METRICS, ValidationReport
@@ -28,13 +28,13 @@ _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
 
 def render_models(rows: Sequence[dict], console: Console) -> None:
     """Print the catalog: one row per model with its exact parameter count."""
-    table = Table(title="bundled model catalog (configs only, no weights; Hub ids: --json)", title_justify="left")
-    # Fits 80 columns, nothing cut; the Hub ids and families are in --json.
-    for col, just in (("name", "left"), ("task", "left"), ("layers", "right"), ("params", "right")):
-        table.add_column(col, justify=just, no_wrap=True)
-    for r in rows:
-        table.add_row(r["name"], r["task"], str(r["num_layers"]), f"{r['params']:,}")
-    console.print(table)
+    # The Hub ids and families are in --json.
+    print_fitted(console, [
+        Column(header="name", cells=[r["name"] for r in rows]),
+        Column(header="task", cells=[r["task"] for r in rows]),
+        Column(header="layers", cells=[str(r["num_layers"]) for r in rows], justify="right", drop=1),
+        Column(header="params", cells=[f"{r['params']:,}" for r in rows], justify="right"),
+    ], title="bundled model catalog (configs only, no weights; Hub ids: --json)", title_justify="left")
 
 
 def _tflops(value: float | None) -> str:
@@ -42,67 +42,80 @@ def _tflops(value: float | None) -> str:
 
 
 def render_gpus(rows: Sequence[dict], console: Console) -> None:
-    """Print the GPU catalog: one row per GPU, memory in GiB, dense peaks."""
-    table = Table(title="bundled GPU catalog (dense peaks, no sparsity; bf16/fp16 tensor cores with fp32 accumulate)",
-                  title_justify="left")
-    for col, just in (("name", "left"), ("device name", "left"), ("arch", "left"), ("cc", "right"),
-                      ("memory GiB", "right"), ("bf16 TFLOP/s", "right"), ("fp16 TFLOP/s", "right"),
-                      ("fp32 TFLOP/s", "right"), ("mem GB/s", "right"), ("link", "left"), ("link GB/s", "right")):
-        table.add_column(col, justify=just)
-    for r in rows:
-        major, minor = r["compute_capability"]
-        table.add_row(r["name"], r["display_name"], r["architecture"], f"{major}.{minor}", gib(r["memory_bytes"]),
-                      _tflops(r["bf16_tflops"]), _tflops(r["fp16_tflops"]), _tflops(r["fp32_tflops"]),
-                      f"{r['memory_bandwidth_gbps']:,.0f}", r["link"], f"{r['link_bandwidth_gbps']:,.0f}")
-    console.print(table)
+    """Print the GPU catalog: one row per GPU, memory in GiB, dense peaks.
+
+    At narrow widths the columns a sizing needs least go first: fp32 peak, compute capability, architecture,
+    link, link bandwidth, memory bandwidth, fp16 peak (the names, memory and bf16 peak always stay).
+    """
+    def col(header: str, cells: list[str], drop: int = 0, justify: str = "right") -> Column:
+        return Column(header=header, cells=cells, drop=drop, justify=justify)
+
+    cc = [f"{r['compute_capability'][0]}.{r['compute_capability'][1]}" for r in rows]
+    print_fitted(console, [
+        col("name", [r["name"] for r in rows], justify="left"),
+        col("device name", [r["display_name"] for r in rows], justify="left"),
+        col("arch", [r["architecture"] for r in rows], drop=5, justify="left"),
+        col("cc", cc, drop=6),
+        col("memory GiB", [gib(r["memory_bytes"]) for r in rows]),
+        col("bf16 TFLOP/s", [_tflops(r["bf16_tflops"]) for r in rows]),
+        col("fp16 TFLOP/s", [_tflops(r["fp16_tflops"]) for r in rows], drop=1),
+        col("fp32 TFLOP/s", [_tflops(r["fp32_tflops"]) for r in rows], drop=7),
+        col("mem GB/s", [f"{r['memory_bandwidth_gbps']:,.0f}" for r in rows], drop=2),
+        col("link", [r["link"] for r in rows], drop=4, justify="left"),
+        col("link GB/s", [f"{r['link_bandwidth_gbps']:,.0f}" for r in rows], drop=3),
+    ], title="bundled GPU catalog (dense peaks, no sparsity; bf16/fp16 tensor cores with fp32 accumulate)",
+        title_justify="left")
 
 
 def _signed(v: float | None) -> str:
     return "" if v is None else f"{v:+.2f}%"
 
 
-def _validation_table(title: str, checks: Sequence, div: int, *, stub: bool) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("row", overflow="fold")
-    table.add_column("status")
-    for m in METRICS:
-        table.add_column(m.replace("_", " "), justify="right")
-    table.add_column("pred - meas bytes (alloc / reserved)" if stub else "fits meas/pred",
-                     justify="right" if stub else "left")
-    for r in checks:
-        cells = [r.id + (" (edge)" if r.edge else ""), r.status]
-        for m in METRICS:
-            meas, pred = r.measured[m], r.predicted[m]
-            if meas is None and pred is None:
-                cells.append("")
-                continue
-            if stub and m == "device_total":
-                cells.append("not measured" + ("" if pred is None else f" / {pred / div:,.2f}"))
-                continue
-            text = " / ".join("-" if v is None else f"{v / div:,.2f}" for v in (meas, pred))
-            cells.append(f"{text} {_signed(r.error_pct[m])}".strip())
-        if stub:
-            d = r.diff_bytes
-            last = "" if d["allocated"] is None else f"{d['allocated']:+,} / " + (
-                "-" if d["reserved"] is None else f"{d['reserved']:+,}")
-        else:
-            last = "" if r.fits_measured is None else f"{r.fits_measured}/{r.fits_predicted}"
-        table.add_row(*cells, last)
-    return table
+def _metric_cell(r, m: str, div: int, *, stub: bool) -> str:
+    """One row's measured / predicted size of metric ``m`` and its signed error."""
+    meas, pred = r.measured[m], r.predicted[m]
+    if meas is None and pred is None:
+        return ""
+    if stub and m == "device_total":
+        return "not measured" + ("" if pred is None else f" / {pred / div:,.2f}")
+    text = " / ".join("-" if v is None else f"{v / div:,.2f}" for v in (meas, pred))
+    return f"{text} {_signed(r.error_pct[m])}".strip()
 
 
-def _summary_table(title: str, summary: dict) -> Table:
-    table = Table(title=title, title_justify="left")
-    for col in ("metric", "rows", "mean |err|", "max |err|", "max under", "mean signed", "rows under"):
-        table.add_column(col, justify="left" if col == "metric" else "right")
+def _validation_columns(checks: Sequence, div: int, *, stub: bool) -> list[Column]:
+    """The rows' table: the row ids and the sizes wrap at narrow widths; the last column goes first."""
+    if stub:
+        last = ["" if r.diff_bytes["allocated"] is None else f"{r.diff_bytes['allocated']:+,} / " + (
+            "-" if r.diff_bytes["reserved"] is None else f"{r.diff_bytes['reserved']:+,}") for r in checks]
+    else:
+        last = ["" if r.fits_measured is None else f"{r.fits_measured}/{r.fits_predicted}" for r in checks]
+    return [
+        Column(header="row", cells=[r.id + (" (edge)" if r.edge else "") for r in checks], wrap=True),
+        Column(header="status", cells=[r.status for r in checks]),
+        *(Column(header=m.replace("_", " "), cells=[_metric_cell(r, m, div, stub=stub) for r in checks],
+                 justify="right", wrap=True) for m in METRICS),
+        Column(header="pred - meas bytes (alloc / reserved)" if stub else "fits meas/pred", cells=last,
+               justify="right" if stub else "left", drop=1),
+    ]
 
+
+def _summary_columns(summary: dict) -> list[Column]:
     def pct(v: float | None) -> str:
         return "" if v is None else f"{v:.2f}%"
 
-    for m, st in summary.items():
-        table.add_row(m.replace("_", " "), str(st.num_rows), pct(st.mean_abs_pct), pct(st.max_abs_pct),
-                      pct(st.max_under_pct), _signed(st.mean_signed_pct), str(st.num_under))
-    return table
+    def col(header: str, cells: list[str]) -> Column:
+        return Column(header=header, cells=cells, justify="right")
+
+    stats = list(summary.values())
+    return [
+        Column(header="metric", cells=[m.replace("_", " ") for m in summary]),
+        col("rows", [str(st.num_rows) for st in stats]),
+        col("mean |err|", [pct(st.mean_abs_pct) for st in stats]),
+        col("max |err|", [pct(st.max_abs_pct) for st in stats]),
+        col("max under", [pct(st.max_under_pct) for st in stats]),
+        col("mean signed", [_signed(st.mean_signed_pct) for st in stats]),
+        col("rows under", [str(st.num_under) for st in stats]),
+    ]
 
 
 def render_validation(report: ValidationReport, console: Console) -> None:
@@ -116,25 +129,25 @@ def render_validation(report: ValidationReport, console: Console) -> None:
     measured = [r for r in report.rows if r.kind != "stub"]
     stub = report.stub_rows
     if measured or not stub:
-        console.print(_validation_table(
-            f"measured / predicted {unit}, error = (predicted - measured) / measured", measured, div, stub=False))
+        print_fitted(console, _validation_columns(measured, div, stub=False), title_justify="left",
+                     title=f"measured / predicted {unit}, error = (predicted - measured) / measured")
         for r in measured:
             if r.note:
                 console.print(f"{r.id}: {r.note}")
-        console.print(_summary_table("summary (under = under-estimate, the direction that causes OOM)",
-                                     report.summary))
+        print_fitted(console, _summary_columns(report.summary), title_justify="left",
+                     title="summary (under = under-estimate, the direction that causes OOM)")
         acc = "no edge rows" if report.fits_accuracy is None else (
             f"{100 * report.fits_accuracy:.0f}% of {report.num_edge_rows} edge rows")
         console.print(f"fits/OOM verdict: {acc}")
     if stub:
-        console.print(_validation_table(
-            f"stub device (stubcuda: torch's caching allocator, no GPU; not GPU measurements): "
-            f"stub / predicted {unit}", stub, div, stub=True))
+        print_fitted(console, _validation_columns(stub, div, stub=True), title_justify="left",
+                     title=f"stub device (stubcuda: torch's caching allocator, no GPU; not GPU measurements): "
+                           f"stub / predicted {unit}")
         for r in stub:
             if r.note:
                 console.print(f"{r.id}: {r.note}")
-        console.print(_summary_table("stub summary (device total not measured on the stub)",
-                                     report.stub_summary))
+        print_fitted(console, _summary_columns(report.stub_summary), title_justify="left",
+                     title="stub summary (device total not measured on the stub)")
         console.print(f"stub rows equal to the estimate byte for byte (allocated and reserved): "
                       f"{report.num_stub_exact} of {len(stub)}")
 
@@ -148,14 +161,13 @@ def render_published(result: dict, console: Console) -> None:
                 f"{s['mean_signed_pct']:+.1f}%, max |err| {s['max_abs_pct']:.1f}%")
 
     for metric, s in result["summary"].items():
-        table = Table(title=stats(metric, s))
-        for col in ("id", "measured GiB", "predicted GiB", "error"):
-            table.add_column(col, overflow="fold")
-        for r in result["rows"]:
-            if r["metric"] == metric and r["error_pct"] is not None:
-                table.add_row(r["id"], f"{r['measured'] / 2**30:.2f}", f"{r['predicted'] / 2**30:.2f}",
-                              f"{r['error_pct']:+.1f}%")
-        console.print(table)
+        rows = [r for r in result["rows"] if r["metric"] == metric and r["error_pct"] is not None]
+        print_fitted(console, [
+            Column(header="id", cells=[r["id"] for r in rows], wrap=True),
+            Column(header="measured GiB", cells=[f"{r['measured'] / 2**30:.2f}" for r in rows]),
+            Column(header="predicted GiB", cells=[f"{r['predicted'] / 2**30:.2f}" for r in rows]),
+            Column(header="error", cells=[f"{r['error_pct']:+.1f}%" for r in rows]),
+        ], title=stats(metric, s))
     if result["reserved_pooled"]:
         console.print(stats("reserved memory, both metrics", result["reserved_pooled"]))
     refused = [r for r in result["rows"] if r["status"] == "modelled" and r["error"]]
@@ -183,18 +195,25 @@ def render_methods(rows: Sequence, skipped: Sequence[tuple[str, str]], gpu, cons
         host: The node's :class:`llmem_plugin.device.host.HostCapacity` to check each
             method's host RAM per node against (None: shown, not checked).
     """
-    table = Table(title=f"per rank on {gpu.name} ({gib(gpu.capacity_bytes)} GiB); GiB", title_justify="left")
-    for col in ("method", "gpus", "tp", "rank", "allocated", "reserved", "device total", "fits",
-                "comm/step intra", "inter"):
-        table.add_column(col, justify="left" if col in ("method", "fits") else "right")
-    for est in rows:
-        w = est.worst
-        fits = all(r.fits for r in est.ranks)
-        table.add_row(est.method, str(est.layout.num_gpus), str(est.layout.tp), str(w.rank),
-                      gib(w.peak_allocated_bytes), gib(w.peak_reserved_bytes), gib(w.device_total_bytes),
-                      "yes" if fits else "NO", gib(est.comm_intra_node_bytes), gib(est.comm_inter_node_bytes),
-                      style=None if fits else "red")
-    console.print(table)
+    fits = [all(r.fits for r in est.ranks) for est in rows]
+
+    def col(header: str, cells: list[str], drop: int = 0) -> Column:
+        return Column(header=header, cells=cells, justify="right", drop=drop)
+
+    # At narrow widths the communication volumes go first, then the GPU count and the worst rank's index.
+    print_fitted(console, [
+        Column(header="method", cells=[est.method for est in rows]),
+        col("gpus", [str(est.layout.num_gpus) for est in rows], drop=1),
+        col("tp", [str(est.layout.tp) for est in rows]),
+        col("rank", [str(est.worst.rank) for est in rows], drop=1),
+        col("allocated", [gib(est.worst.peak_allocated_bytes) for est in rows]),
+        col("reserved", [gib(est.worst.peak_reserved_bytes) for est in rows]),
+        col("device total", [gib(est.worst.device_total_bytes) for est in rows]),
+        Column(header="fits", cells=["yes" if f else "NO" for f in fits]),
+        col("comm/step intra", [gib(est.comm_intra_node_bytes) for est in rows], drop=2),
+        col("inter", [gib(est.comm_inter_node_bytes) for est in rows], drop=2),
+    ], row_styles=[None if f else "red" for f in fits],
+        title=f"per rank on {gpu.name} ({gib(gpu.capacity_bytes)} GiB); GiB", title_justify="left")
     for est in rows:
         console.print(_method_host(est, host))
         for note in est.notes:
@@ -214,6 +233,33 @@ def plan_rows(plan, show_all: bool) -> list:
     return fit + over
 
 
+def _print_candidates(rows: Sequence, choice, console: Console) -> None:
+    """The plan's table. At narrow widths the columns that follow from others go first: how screened,
+    the host RAM, the headroom, the step time (tokens/s ranks them), then tokens/s; then checkpointing and
+    offload (empty ones before any other)."""
+    def col(header: str, cells: list[str], drop: int = 0, justify: str = "right") -> Column:
+        return Column(header=header, cells=cells, justify=justify, drop=drop)
+
+    print_fitted(console, [
+        col("", ["*" if c is choice else ("" if c.fits else "x") for c in rows], justify="left"),
+        col("method", [c.method_label for c in rows], justify="left"),
+        col("tp", [str(c.tp) for c in rows]),
+        col("micro", [str(c.micro_batch) for c in rows]),
+        # A pipeline's accumulation: its microbatches per schedule step, x its schedule steps.
+        col("accum", [str(c.grad_accum) + (f"x{c.schedule_steps}" if c.pp > 1 and c.schedule_steps > 1 else "")
+                      for c in rows]),
+        col("ckpt", ["yes" if c.grad_checkpointing else "" for c in rows], drop=1, justify="left"),
+        col("offload", [c.offload or "" for c in rows], drop=1, justify="left"),
+        col("GiB/GPU", [gib(c.device_total_bytes) for c in rows]),
+        col("free GiB", [gib(c.headroom_bytes) for c in rows], drop=5),
+        col("host GiB/node", [gib(c.host_bytes_per_node) + ("" if c.host_fits else " (over)") for c in rows],
+            drop=6),
+        col("step s", [f"{c.step_time_s:.3g}" for c in rows], drop=4),
+        col("tokens/s", [f"{c.tokens_per_s:,.0f}" for c in rows], drop=3),
+        col("memory", ["traced" if c.verified else "screened" for c in rows], drop=7, justify="left"),
+    ], row_styles=["bold green" if c is choice else (None if c.fits else "dim") for c in rows])
+
+
 def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
     """Print the candidate table with the choice highlighted, and why it wins."""
     wl = plan.workload
@@ -228,26 +274,7 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
     if host is not None:
         console.print(f"host (CPU) RAM: {gib(host.node_bytes)} GiB per node ({host.source}); limit "
                       f"{gib(plan.host_limit_bytes)} GiB per node")
-    table = Table()
-    for name, justify in (("", "left"), ("method", "left"), ("tp", "right"), ("micro", "right"),
-                          ("accum", "right"), ("ckpt", "left"), ("offload", "left"),
-                          ("GiB/GPU", "right"), ("free GiB", "right"), ("host GiB/node", "right"), ("step s", "right"),
-                          ("tokens/s", "right"), ("memory", "left")):
-        table.add_column(name, justify=justify)
-    for c in plan_rows(plan, show_all):
-        chosen = c is plan.choice
-        table.add_row(
-            "*" if chosen else ("" if c.fits else "x"),
-            # A pipeline's accumulation: its microbatches per schedule step, x its schedule steps.
-            c.method_label, str(c.tp), str(c.micro_batch),
-            str(c.grad_accum) + (f"x{c.schedule_steps}" if c.pp > 1 and c.schedule_steps > 1 else ""),
-            "yes" if c.grad_checkpointing else "",
-            c.offload or "", gib(c.device_total_bytes), gib(c.headroom_bytes),
-            gib(c.host_bytes_per_node) + ("" if c.host_fits else " (over)"), f"{c.step_time_s:.3g}",
-            f"{c.tokens_per_s:,.0f}", "traced" if c.verified else "screened",
-            style="bold green" if chosen else (None if c.fits else "dim"),
-        )
-    console.print(table)
+    _print_candidates(plan_rows(plan, show_all), plan.choice, console)
     if plan.choice is not None:
         console.print(f"choice: {plan.why}")
         if host is not None:
@@ -280,15 +307,15 @@ def render_varlen(v, wl, gpu_name: str, console: Console) -> None:
     console.print(f"variable-length batches: {v.lengths.source} (mean {v.lengths.mean:.0f} tokens), micro-batch "
                   f"{wl.micro_batch_size} padded to its longest sample, truncated at {wl.seq_len}; "
                   f"{v.steps} steps replayed on the {gpu_name}")
-    table = Table()
-    table.add_column("", style="bold")
-    table.add_column("allocated GiB", justify="right")
-    table.add_column("reserved GiB", justify="right")
-    table.add_row(f"whole run (worst step {v.worst_step + 1})", gib(v.peak_allocated_bytes), gib(v.peak_reserved_bytes))
-    table.add_row(f"after warm-up (step {v.warmup_steps})", "", gib(v.reserved_after_warmup_bytes))
-    table.add_row(f"fixed shape at the longest micro-batch ({v.longest} tokens)", gib(v.fixed_allocated_bytes),
-                  gib(v.fixed_reserved_bytes))
-    console.print(table)
+    labels = (f"whole run (worst step {v.worst_step + 1})", f"after warm-up (step {v.warmup_steps})",
+              f"fixed shape at the longest micro-batch ({v.longest} tokens)")
+    print_fitted(console, [
+        Column(header="", cells=labels, wrap=True, style="bold"),
+        Column(header="allocated GiB", justify="right",
+               cells=[gib(v.peak_allocated_bytes), "", gib(v.fixed_allocated_bytes)]),
+        Column(header="reserved GiB", justify="right",
+               cells=[gib(v.peak_reserved_bytes), gib(v.reserved_after_warmup_bytes), gib(v.fixed_reserved_bytes)]),
+    ])
     verdict = "fits" if v.fits else "does NOT fit"
     console.print(f"device total {gib(v.device_total_bytes)} GiB of {gib(v.capacity_bytes)} GiB: {verdict}")
     if v.alloc_retries:
@@ -303,12 +330,11 @@ def render_varlen(v, wl, gpu_name: str, console: Console) -> None:
 
 def render_recipe(recipe, console: Console) -> None:
     """The ``--config`` file as read: each memory key and the option it became, the keys not modelled, the notes."""
-    table = Table(title=f"{recipe.path} ({recipe.framework})", title_justify="left")
-    for column in ("key", "value", "llmem option"):
-        table.add_column(column, overflow="fold")
-    for m in recipe.mapped:
-        table.add_row(m.key, m.value, m.option or "(default)")
-    console.print(table)
+    print_fitted(console, [
+        Column(header="key", cells=[m.key for m in recipe.mapped]),
+        Column(header="value", cells=[m.value for m in recipe.mapped], wrap=True),
+        Column(header="llmem option", cells=[m.option or "(default)" for m in recipe.mapped], wrap=True),
+    ], title=f"{recipe.path} ({recipe.framework})", title_justify="left")
     for n in recipe.not_modelled:
         console.print(f"not modelled: {n.key}={n.value} ({n.why})", markup=False)
     for note in recipe.notes:

@@ -1,5 +1,7 @@
 """Distributed fine-tuning methods: per-rank memory and communication.
 
+In: a model, a workload and a Layout. Out: a MethodEstimate, every rank's three numbers and its traffic.
+
 One module per method family, all with the same signature::
 
     estimate(model, workload, *, layout, gpu, alloc_conf, torch_version,

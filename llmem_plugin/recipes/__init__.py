@@ -1,4 +1,6 @@
-"""Read a fine-tuning job from the config file its framework runs.
+"""Recipes: a fine-tuning job read from the config file its framework runs.
+
+In: an Axolotl, LLaMA-Factory, torchtune or TRL file. Out: the ``llmem`` options it sets, and what is not modelled.
 
 ``llmem estimate --config FILE`` and ``llmem plan --config FILE`` take an
 Axolotl YAML, a LLaMA-Factory YAML, a torchtune recipe YAML or a TRL

@@ -1,4 +1,6 @@
-"""Which low-memory techniques each distributed method can run.
+"""Techniques: what QLoRA, a chunked loss, an 8-bit optimizer or activation offload allocate, built into the model and step.
+
+In: a workload and a built model. Out: the model and step as the technique changes them; here, which methods can run which.
 
 Each technique module answers for itself (``unsupported(method, workload)``
 returns the reason a combination cannot run, or None); :func:`check_supported`

@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmem_plugin.trace import _pause
+from llmem_plugin.trace.foreign_kernels import pytorch_meta_kernels
 
 __all__ = ["MemoryCategory", "Phase", "MemoryTracker", "TraceResult", "round_allocation"]
 
@@ -148,6 +149,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._backward_module = ""
         self._hooks: list[Any] = []
+        self._kernels: contextlib.ExitStack | None = None
         self._module_names: dict[int, str] = {}
         self._marks: dict[str, int] = {}  # "name:phase" -> index into _events
 
@@ -162,13 +164,20 @@ class MemoryTracker(TorchDispatchMode):
             mods.register_module_forward_pre_hook(self._pre_forward),
             mods.register_module_forward_hook(self._post_forward),
         ]
+        self._kernels = contextlib.ExitStack()
+        self._kernels.enter_context(pytorch_meta_kernels())
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        super().__exit__(*exc)
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._kernels is not None:
+                self._kernels.close()
+                self._kernels = None
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         name = self._module_names.get(id(module))
