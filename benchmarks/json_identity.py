@@ -47,6 +47,8 @@ def _strip(x):
         return {k: _strip(v) for k, v in x.items() if k not in _VOLATILE and not k.endswith("_seconds")}
     if isinstance(x, list):
         return [_strip(v) for v in x]
+    if isinstance(x, str) and x.endswith(".json") and "/" in x:
+        return Path(x).name  # a config path under the checkout: two checkouts differ only in the prefix
     return x
 
 
