@@ -857,6 +857,10 @@ def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: l
                 result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl),
                                         result)
         except SynthesisError as e:
+            if splice_setup:
+                # Extrapolated peaks leave the setup phase out, and it can be the peak (torchao's to_nf4,
+                # an fp32 cast): a verdict on the step alone could say "fits" wrongly. The full trace decides.
+                return None
             sim = _extrapolated_simulation(ext, inputs.alloc_config, built.overheads)
             total = sim.peak_reserved_bytes + built.overheads.outside_allocator_bytes
             capacity = inputs.gpu.capacity_bytes
@@ -867,9 +871,6 @@ def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: l
             notes.append(f"fast mode extrapolated the allocator's peaks per layer, as the full event "
                          f"stream could not be built ({e}): reserved may be off by up to "
                          f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure")
-            if splice_setup:
-                notes.append("the setup phase (loading the weights) is not in these extrapolated peaks; "
-                             "drop --fast to include it")
     return _Traced(result=result, fast=True, host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes),
                    extrapolated=extrapolated)
 
@@ -948,17 +949,7 @@ def _notes(model_config: Any, workload: Workload) -> tuple[str, ...]:
     from llmem_plugin.models.tasks import image_note
 
     return tuple(n for n in (routing_note(model_config, workload), image_note(model_config, workload),
-                             _adapter_note(workload), _quantization_note(workload)) if n)
-
-
-def _quantization_note(workload: Workload) -> str | None:
-    """torchao's quantize-on-load is outside the setup phase modelled."""
-    from llmem_plugin.workload import Quantization
-
-    if workload.quantize is Quantization.NF4_TORCHAO:
-        return ("setup phase: torchao's to_nf4 on load (torchtune builds each bf16 weight, then quantizes it) "
-                "is not modelled; the setup figure counts the NF4 weights as they are stored")
-    return None
+                             _adapter_note(workload)) if n)
 
 
 def _adapter_note(workload: Workload) -> str | None:

@@ -78,8 +78,13 @@ def qlora_path(wl) -> str:
 
 def load_path(wl) -> str:
     """How the traced job's weights reach the GPU, in words (llmem_plugin.trace.loading)."""
+    if wl.quantize is not None and not wl.quantize.bitsandbytes and wl.load == "torchtune-0.1":
+        return ("torchtune 0.1's QLoRA setup: one layer made on the GPU and deep-copied per layer, each NF4 copy "
+                "dequantized and re-quantized, then the checkpoint loaded, each weight quantized again; "
+                "torchao 0.1's to_nf4, unchunked")
     if wl.quantize is not None and not wl.quantize.bitsandbytes:
-        return "NF4 weights placed as stored (torchao's to_nf4 on load not modelled: see the note)"
+        return ("torchtune 0.6.1's QLoRA setup: each layer made on the GPU, every weight 16-bit then to_nf4, "
+                "then the checkpoint loaded, each weight quantized again from a 16-bit copy; torchao 0.18.0")
     if wl.quantize is not None:
         prep = {"on": ", then k-bit preparation casts the other weights to fp32",
                 "norms-only": ", then the norm weights are cast to fp32"}.get(wl.kbit_prepare, "")

@@ -353,7 +353,7 @@ _KBIT_PREPARE = ("on", "off", "norms-only")
 # The dtypes bitsandbytes' quantize_4bit takes (functional.py: fp16, bf16, fp32).
 _QUANTIZED_FROM = ("fp16", "bf16", "fp32")
 # How the weights reach the GPU (llmem_plugin.trace.loading models each).
-_LOADS = ("direct", "fp32-cast")
+_LOADS = ("direct", "fp32-cast", "torchtune-0.1")
 # The 16-bit dtypes ``--load fp32-cast`` casts to.
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -477,7 +477,9 @@ class Workload:
             (:mod:`llmem_plugin.trace.loading`): ``direct`` (each tensor once, in
             its training dtype) or ``fp32-cast`` (materialised in fp32, then
             cast to the 16-bit training dtype). QLoRA always loads as
-            bitsandbytes quantizes on load.
+            bitsandbytes quantizes on load; ``nf4-torchao`` as torchtune
+            0.6.1 builds and loads it (``direct``) or as torchtune 0.1 did
+            with torchao 0.1 (``torchtune-0.1``).
         checkpoint_save_ops: With ``grad_checkpointing``, op-level selective
             checkpointing: the checkpointed layers keep these ops' outputs
             and recompute the rest (:mod:`llmem_plugin.techniques.checkpointing`): a
@@ -705,6 +707,9 @@ class Workload:
         if self.load == "fp32-cast" and self.quantize is not None:
             raise ConfigError("--load fp32-cast with --quantize: quantized models load through their quantizer, "
                               "not a cast. HINT: drop --load")
+        if self.load == "torchtune-0.1" and self.quantize is not Quantization.NF4_TORCHAO:
+            raise ConfigError("--load torchtune-0.1 is torchtune 0.1's QLoRA setup (torchao NF4). "
+                              "HINT: add --quantize nf4-torchao, or drop --load")
         if self.load == "fp32-cast" and self.precision.param_dtype not in _HALF:
             raise ConfigError(f"--load fp32-cast casts the weights to a 16-bit dtype, but --precision "
                               f"{self.precision.value} trains in fp32. HINT: --precision bf16, or drop --load")

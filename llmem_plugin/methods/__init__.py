@@ -27,7 +27,8 @@ from llmem_plugin.device.gpus import GPU
 from llmem_plugin.methods.base import MethodEstimate, RankMemory
 from llmem_plugin.methods.layout import Layout
 
-__all__ = ["Layout", "MethodEstimate", "RankMemory", "estimate_method", "extrapolated", "method_names"]
+__all__ = ["Layout", "MethodEstimate", "RankMemory", "estimate_method", "extrapolated", "method_names",
+           "preset_settings"]
 
 # Method-family modules, in the order `--method all` reports them: the family's
 # name, and its module under llmem_plugin.methods (pipeline parallelism is a subpackage).
@@ -48,6 +49,18 @@ def _registry() -> dict[str, tuple[str, dict[str, Any]]]:
 def method_names() -> list[str]:
     """Every registered method name."""
     return list(_registry())
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+    """The options preset ``name`` fixes (``lowlevel-zero1``: ``{"plugin": "lowlevel", "stage": 1}``).
+
+    Raises:
+        ConfigError: Unknown method (the message lists the valid ones).
+    """
+    reg = _registry()
+    if name not in reg:
+        raise ConfigError(f"unknown method '{name}'; valid: {', '.join(reg)}. HINT: pass --method with one of them")
+    return dict(reg[name][1])
 
 
 def estimate_method(

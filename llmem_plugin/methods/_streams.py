@@ -39,7 +39,7 @@ __all__ = ["replay_streams", "simulate_streams"]
 
 
 def replay_streams(events: list[tuple[int, int, int]], stream_of: Mapping[int, int], config: AllocatorConfig,
-                   *, labels: list[str] | None = None) -> AllocatorResult:
+                   *, labels: list[str] | None = None, empty_cache_at: int | None = None) -> AllocatorResult:
     """Replay ``events`` with one allocator per stream.
 
     Args:
@@ -48,6 +48,10 @@ def replay_streams(events: list[tuple[int, int, int]], stream_of: Mapping[int, i
             stream (0); frees follow their allocation's stream.
         config: The allocator settings.
         labels: A label per event (phases): per-label peaks as :func:`replay`.
+        empty_cache_at: Before this event, ``torch.cuda.empty_cache()`` then
+            ``torch.cuda.reset_peak_memory_stats()``: every stream's unsplit
+            cached segments are released (``release_cached_blocks`` walks all
+            pools) and the peaks restart from what is left.
 
     Returns:
         Peaks of the summed allocated and reserved bytes; ``num_segments`` and
@@ -61,6 +65,11 @@ def replay_streams(events: list[tuple[int, int, int]], stream_of: Mapping[int, i
     ph_alloc: dict[str, int] = {}
     ph_res: dict[str, int] = {}
     for i, (sign, key, nbytes) in enumerate(events):
+        if i == empty_cache_at:
+            for alloc in allocators.values():
+                alloc.empty_cache()
+            reserved = sum(a.stats.reserved for a in allocators.values())
+            peak_allocated, peak_reserved, allocated_at_peak_reserved = allocated, reserved, allocated
         if sign > 0:
             if nbytes <= 0:
                 continue

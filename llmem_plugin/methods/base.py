@@ -210,6 +210,7 @@ def rank_memory(
     host_bytes: int = 0,
     host_pinned_rounding_bytes: int = 0,
     streams: Mapping[int, int] | None = None,
+    emptied_cache_bound: bool = False,
 ) -> RankMemory:
     """The three numbers of one traced rank: its event stream replayed through
     the caching-allocator simulation (with the cuBLAS workspaces), plus the
@@ -230,28 +231,42 @@ def rank_memory(
             wrapper made off the default stream (``RankTracker.stream_of``):
             each stream is replayed with its own pools
             (:mod:`llmem_plugin.methods._streams`).
+        emptied_cache_bound: Report the larger reserved peak of the cache as
+            the setup left it and emptied after setup
+            (:mod:`llmem_plugin.methods._setup_cache`); for wrappers whose
+            setup frees are traced as the real setup makes them.
     """
     from llmem_plugin.estimate import simulate_trace
+    from llmem_plugin.methods._setup_cache import reserved_if_emptied
 
     cap = _CAPTURE.get()
     if cap is not None:
         cap.ranks.append((trace, {"rank": rank, "gpu": gpu, "overheads": overheads, "alloc_conf": alloc_conf,
                                   "extra_breakdown": extra_breakdown, "host_bytes": host_bytes,
-                                  "host_pinned_rounding_bytes": host_pinned_rounding_bytes, "streams": streams}))
+                                  "host_pinned_rounding_bytes": host_pinned_rounding_bytes, "streams": streams,
+                                  "emptied_cache_bound": emptied_cache_bound}))
     if streams:
         from llmem_plugin.methods._streams import simulate_streams
 
         sim, fits = simulate_streams(trace, streams, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
     else:
         sim, fits = simulate_trace(trace, alloc_conf or AllocatorConfig(), overheads, gpu.capacity_bytes)
+    reserved = sim.peak_reserved_bytes
+    if emptied_cache_bound:
+        # A script may empty the cache between the wrapper's setup and the first step, which can raise
+        # the step's reserved peak (llmem_plugin.methods._setup_cache): report the larger of the two.
+        emptied = reserved_if_emptied(trace, streams, alloc_conf or AllocatorConfig(), overheads,
+                                      gpu.capacity_bytes)
+        if emptied is not None and emptied > reserved:
+            reserved = emptied
     breakdown = {c.value: v for c, v in trace.breakdown.items()}
     breakdown.update(extra_breakdown or {})
     return RankMemory(
         rank=rank,
         peak_tensor_bytes=trace.peak_bytes,
         peak_allocated_bytes=sim.peak_allocated_bytes,
-        peak_reserved_bytes=sim.peak_reserved_bytes,
-        device_total_bytes=sim.peak_reserved_bytes + overheads.outside_allocator_bytes,
+        peak_reserved_bytes=reserved,
+        device_total_bytes=reserved + overheads.outside_allocator_bytes,
         fits=fits,
         breakdown=breakdown,
         host_bytes=host_bytes,

@@ -481,7 +481,7 @@ def estimate(
         sizes = [b * c.shard_size(dp) for c in chunks if not c.keep_gathered for b in (es, 4)]
         rounding = sum(pinned_bytes(n) - n for n in sizes)
     rank = rank_memory(breakdown(trace, buf), rank=0, gpu=gpu, overheads=overheads, alloc_conf=conf,
-                       streams=buf.tracker.stream_of,
+                       streams=buf.tracker.stream_of, emptied_cache_bound=plugin == "lowlevel",
                        host_bytes=states.host_bytes, host_pinned_rounding_bytes=rounding)
     intra, inter = split_comm(buf.sent_bytes, layout)
     if dtype == torch.float16:

@@ -22,6 +22,13 @@ the job does it, on the same tracker, before the first micro-batch
   mean is quantized blockwise and both fp32 copies released), then released.
   With ``kbit_prepare="on"``, peft's ``prepare_model_for_kbit_training``
   then casts every other 16-bit parameter to fp32, one at a time.
+* torchao's NF4 (``--quantize nf4-torchao``) loads as torchtune does
+  (:mod:`llmem_plugin.techniques.nf4_setup`): the model made on the device,
+  each weight quantized from a 16-bit one with ``to_nf4``, then the
+  checkpoint loaded into it, every NF4 weight quantized again
+  (``--load direct``: torchtune 0.6.1 with torchao 0.18.0; ``--load
+  torchtune-0.1``: torchtune 0.1, whose builder deep-copies one quantized
+  layer per layer, with torchao 0.1's unchunked conversion).
 * LoRA adapters are made last (peft's ``get_peft_model``), in their dtype.
 
 Checks: tests/trace/test_loading.py (closed forms of each path's peak; the
@@ -63,9 +70,9 @@ def direct_only() -> Iterator[None]:
 
 def has_transients(workload) -> bool:
     """Whether loading allocates more than the weights themselves."""
-    # torchao's to_nf4 on load (torchtune) is not modelled: its packed weights are placed as they are,
-    # and the report says so (estimate._quantization_note).
-    return workload.load != "direct" or (workload.quantize is not None and workload.quantize.bitsandbytes)
+    # torchao's NF4 (torchtune) quantizes every weight on the device while building and loading
+    # (llmem_plugin.techniques.nf4_setup); bitsandbytes on load.
+    return workload.load != "direct" or workload.quantize is not None
 
 
 def _adapters(model: nn.Module, workload) -> set[int]:
@@ -91,8 +98,11 @@ def place_weights(tracker, model: nn.Module, params: list[torch.Tensor], workloa
         register: Registers a list of parameters (the engine's
             ``register_parameters`` with the tracker bound).
     """
+    from llmem_plugin.workload import Quantization
+
     quantized = _quantized_layers(model) if workload.quantize is not None else []
-    if _direct_only[-1] or (workload.load == "direct" and not quantized):
+    torchao = workload.quantize is Quantization.NF4_TORCHAO
+    if _direct_only[-1] or (workload.load == "direct" and not quantized and not torchao):
         register(params)
         return
     done: set[int] = set()
@@ -103,6 +113,12 @@ def place_weights(tracker, model: nn.Module, params: list[torch.Tensor], workloa
         if new:
             register(new)
             done.update(id(t) for t in new)
+
+    if torchao:  # torchtune builds the model on the device, then loads the checkpoint into it
+        from llmem_plugin.techniques.nf4_setup import place_nf4_weights
+
+        place_nf4_weights(tracker, model, params, workload, put, adapters)
+        return
 
     if workload.load == "fp32-cast":
         base = [p for p in params if id(p) not in adapters]

@@ -28,6 +28,14 @@ existed are "gpu" on ``device`` "cuda", "cpu" on "cpu"):
   cuDNN backend as the row records it (off on the stub, whose cuDNN computes
   nothing), since torch's backend choice changes the attention's memory.
 * **cpu**: the tracker on real CPU tensors (allocated only).
+
+A row names its distributed method as ``method: {name, num_gpus, num_nodes,
+tp, rank, options}`` (rows of :mod:`llmem_plugin.verify.meter`), or, as the
+stub's distributed runner writes it (``runner: "stub-distributed"``,
+benchmarks/groundtruth/stub_distributed.py), as the preset's name beside
+``world_size``, ``tp``, ``rank`` and ``options``; both are predicted with
+``estimate_method`` for that rank, as the runner predicted them. Rows that
+differ only in their rank share one prediction.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from typing import Any
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError
 
 __all__ = ["DEVICE_KINDS", "METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "device_kind",
-           "load_rows", "validate_rows"]
+           "load_rows", "method_row", "validate_rows"]
 
 METRICS = ("allocated", "reserved", "device_total")
 # benchmarks/groundtruth/rows.py DEVICE_KINDS: the evidence a row is.
@@ -56,7 +64,7 @@ class RowCheck:
 
     Attributes:
         id: The row's id.
-        runner: ``torch``, ``hf-trainer`` or ``tracker-cpu``.
+        runner: ``torch``, ``hf-trainer``, ``tracker-cpu`` or ``stub-distributed``.
         kind: The evidence: ``gpu``, ``stub`` or ``cpu`` (see the module docstring).
         status: The run's outcome: ``ok``, ``oom``, ``error`` or ``skipped`` (a library it needs was missing).
         edge: Whether the row was run at the edge of capacity.
@@ -197,6 +205,7 @@ def load_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     rows = []
     for where, row in read_jsonl(path, hint="pass a JSONL file of the ground-truth harness, e.g. "
                                  "tests/fixtures/groundtruth-cpu.jsonl", schema_hint=_SCHEMA_HINT):
+        row = method_row(row, where)
         _check_row_schema(row, where)
         rows.append(row)
     if not rows:
@@ -227,6 +236,32 @@ def _check_row_schema(row: Any, where: str) -> None:
 
 
 _JSON_NAMES = {str: "string", dict: "object"}
+# The per-rank fields of a stub-distributed row (benchmarks/groundtruth/stub_distributed.py run_config).
+_RANK_FIELDS = {"world_size": int, "tp": int, "rank": int, "options": dict}
+
+
+def method_row(row: Any, where: str = "row") -> Any:
+    """``row`` with its method as a ``{name, num_gpus, num_nodes, tp, rank, options}`` object.
+
+    A row of benchmarks/groundtruth/stub_distributed.py names its preset in
+    ``method`` and its rank's place in ``world_size``, ``tp``, ``rank`` and
+    ``options``; any other row comes back as it is.
+
+    Raises:
+        ConfigError: A stub-distributed row lacks one of those fields or has one of the wrong type.
+    """
+    if not isinstance(row, dict) or row.get("runner") != "stub-distributed" or isinstance(row.get("method"), dict):
+        return row
+    hint = "HINT: rows of the stub's distributed runner follow benchmarks/groundtruth/stub_distributed.py"
+    if not isinstance(row.get("method"), str):
+        raise ConfigError(f"{where}: method is {row.get('method')!r:.60}, not a method name. {hint}")
+    for key, kind in _RANK_FIELDS.items():
+        value = row.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} is {value!r:.60}, not a JSON "
+                              f"{'integer' if kind is int else 'object'}. {hint}")
+    return {**row, "method": {"name": row["method"], "num_gpus": row["world_size"], "num_nodes": 1, "tp": row["tp"],
+                              "rank": row["rank"], "options": dict(row["options"])}}
 
 
 def _workload(d: dict[str, Any]):
@@ -264,8 +299,10 @@ def _model_config(row: dict[str, Any]) -> Any:
     return catalog.load_config(row["model"], row.get("config_overrides") or None)
 
 
-def _estimate_row(row: dict[str, Any], config: Any, wl: Any, **kw: Any) -> dict[str, int]:
-    """Predict with the row's method (``single`` when it names none)."""
+def _estimate_row(row: dict[str, Any], config: Any, wl: Any, *, cache: dict[str, Any] | None = None,
+                  **kw: Any) -> dict[str, int]:
+    """Predict with the row's method (``single`` when it names none); ``cache`` holds the
+    method estimates already made, keyed by everything but the rank."""
     from llmem_plugin.estimate import estimate
 
     method = row.get("method") or {}
@@ -281,17 +318,68 @@ def _estimate_row(row: dict[str, Any], config: Any, wl: Any, **kw: Any) -> dict[
         est = estimate(config, wl, **kw)
         return {"tensor": est.peak_tensor_bytes, "allocated": est.peak_allocated_bytes,
                 "reserved": est.peak_reserved_bytes, "device_total": est.device_total_bytes, "fits": est.fits}
-    from llmem_plugin.methods import estimate_method
-    from llmem_plugin.methods.layout import Layout
-
-    layout = Layout(num_gpus=method.get("num_gpus", 1), num_nodes=method.get("num_nodes", 1),
-                    tp=method.get("tp", 1))
-    est = estimate_method(method["name"], config, wl, layout=layout, gpu=kw.get("gpu"),
-                          alloc_conf=kw.get("alloc_conf"), torch_version=kw.get("torch_version"))
-    ranks = {r.rank: r for r in est.ranks}
-    r = ranks.get(method.get("rank", 0), est.worst)
+    key = json.dumps([{k: v for k, v in row.items() if k in _SAME_ESTIMATE}, {k: v for k, v in method.items()
+                      if k != "rank"}, repr(kw.get("gpu")), kw.get("alloc_conf"), kw.get("torch_version"),
+                      kw.get("fast"), _cudnn_sdp()], sort_keys=True, default=str)
+    est = cache.get(key) if cache is not None else None
+    if est is None:
+        est = _estimate_method(row, method, config, wl, **kw)
+        if cache is not None:
+            cache[key] = est
+    r = _rank(est, method.get("rank", 0))
     return {"tensor": r.peak_tensor_bytes, "allocated": r.peak_allocated_bytes, "reserved": r.peak_reserved_bytes,
             "device_total": r.device_total_bytes, "fits": all(x.fits for x in est.ranks)}
+
+
+# The row fields one method estimate depends on (beside the method less its rank and the GPU, allocator
+# setting, torch version and mode): rows that differ elsewhere share it.
+_SAME_ESTIMATE = ("model", "config", "config_overrides", "workload", "runner", "seq_lens")
+
+
+def _cudnn_sdp() -> bool:
+    import torch
+
+    return torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def _estimate_method(row: dict[str, Any], method: dict[str, Any], config: Any, wl: Any, **kw: Any) -> Any:
+    """The row's method estimate, with the row's options less those its preset fixes."""
+    from llmem_plugin.methods import estimate_method, preset_settings
+    from llmem_plugin.methods.layout import Layout
+
+    fixed = preset_settings(method["name"])
+    options = dict(method.get("options") or {})
+    for name in [k for k in options if k in fixed]:
+        # The runner passes such an option to the engine only (stub_distributed._WORKER_ONLY); the preset carries it.
+        if options[name] != fixed[name]:
+            raise ConfigError(f"row '{row['id']}': option {name}={options[name]!r} contradicts method "
+                              f"'{method['name']}', which fixes {name}={fixed[name]!r}. HINT: name the preset that "
+                              "sets it, or drop the option")
+        del options[name]
+    layout = Layout(num_gpus=method.get("num_gpus", 1), num_nodes=method.get("num_nodes", 1),
+                    tp=method.get("tp", 1))
+    try:
+        return estimate_method(method["name"], config, wl, layout=layout, gpu=kw.get("gpu"),
+                               alloc_conf=kw.get("alloc_conf"), torch_version=kw.get("torch_version"),
+                               fast=bool(kw.get("fast")), **options)
+    except TypeError as e:  # an option the method's estimate does not take
+        raise ConfigError(f"row '{row['id']}': method '{method['name']}' options {options}: {e}. HINT: rows follow "
+                          "the schema in benchmarks/groundtruth/README.md") from None
+
+
+def _rank(est: Any, rank: int) -> Any:
+    """Rank ``rank`` of ``est``, or the reported rank alike to it.
+
+    A method estimate reports one rank where its rules make the others alike
+    (DDP, TP), or rank 0 and the last (uneven FSDP shards): an unreported
+    rank is the highest reported rank below it, as
+    benchmarks/groundtruth/stub_distributed.py ``_predicted_for`` reads it.
+    """
+    ranks = {r.rank: r for r in est.ranks}
+    if rank in ranks:
+        return ranks[rank]
+    below = [r for r in ranks if r <= rank]
+    return ranks[max(below)] if below else est.worst
 
 
 def device_kind(row: dict[str, Any]) -> str:
@@ -324,13 +412,32 @@ def _sdpa_backends(row: dict[str, Any]) -> Iterator[None]:
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
-    with _sdpa_backends(row):
-        return _predict_as_run(row, fast=fast, gpu_name=gpu_name)
+def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
+             cache: dict[str, Any] | None) -> tuple[dict[str, int | None], bool | None]:
+    with _sdpa_backends(row), _harness_loading(row):
+        return _predict_as_run(row, fast=fast, gpu_name=gpu_name, cache=cache)
 
 
-def _predict_as_run(row: dict[str, Any], *, fast: bool,
-                    gpu_name: str | None) -> tuple[dict[str, int | None], bool | None]:
+def _harness_loading(row: dict[str, Any]):
+    """The model build of the harness that measured ``row``, where it differs from the job's.
+
+    For torchao's NF4 the harness quantizes each linear weight in place with ``to_nf4``
+    (benchmarks/groundtruth/techniques.py: ``_build_torchao``), then empties the cache and resets
+    the peaks before step 1 (``_Recorder.reset``, ``stub_worker._reset``): what it measures starts
+    from the NF4 weights placed, not from torchtune's build-and-load setup the estimate models
+    for a job (llmem_plugin.techniques.nf4_setup).
+    """
+    import contextlib
+
+    from llmem_plugin.trace.loading import direct_only
+
+    if (row.get("workload") or {}).get("quantize") == "nf4-torchao" and row.get("device") != "cpu":
+        return direct_only()
+    return contextlib.nullcontext()
+
+
+def _predict_as_run(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
+                    cache: dict[str, Any] | None) -> tuple[dict[str, int | None], bool | None]:
     from llmem_plugin.device.gpus import get_gpu, match_device_name
 
     config = _model_config(row)
@@ -341,7 +448,7 @@ def _predict_as_run(row: dict[str, Any], *, fast: bool,
         wl = dataclasses.replace(wl, runner="hf-trainer")
     env = row.get("env") or {}
     if row["device"] == "cpu":
-        p = _estimate_row(row, config, wl, fast=fast, torch_version=env.get("torch"))
+        p = _estimate_row(row, config, wl, cache=cache, fast=fast, torch_version=env.get("torch"))
         return {"allocated": p["tensor"], "reserved": None, "device_total": None}, None
     info = row.get("gpu") or {}
     gpu = get_gpu(gpu_name) if gpu_name else match_device_name(info.get("name", ""))
@@ -356,8 +463,8 @@ def _predict_as_run(row: dict[str, Any], *, fast: bool,
 
     if capacity is not None:
         gpu = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None)
-    p = _estimate_row(row, config, wl, fast=fast, gpu=gpu, alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                      torch_version=env.get("torch"))
+    p = _estimate_row(row, config, wl, cache=cache, fast=fast, gpu=gpu,
+                      alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_version=env.get("torch"))
     return {"allocated": p["allocated"], "reserved": p["reserved"], "device_total": p["device_total"]}, p["fits"]
 
 
@@ -376,12 +483,17 @@ def _pct(pred: int | None, meas: int | None) -> float | None:
     return 100.0 * (pred - meas) / meas
 
 
-def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None = None) -> RowCheck:
+def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None = None,
+              cache: dict[str, Any] | None = None) -> RowCheck:
     """Predict one row and compare (see :func:`validate_rows`).
 
+    Args:
+        cache: Method estimates made for earlier rows (:func:`validate_rows` passes one dict to every row).
+
     Raises:
-        ConfigError: The row's ``device_kind`` is unknown.
+        ConfigError: The row's ``device_kind`` is unknown, or a stub-distributed row lacks a rank field.
     """
+    row = method_row(row, f"row '{row.get('id')}'")
     status = row["status"]
     kind = device_kind(row)
     measured = _measured(row)
@@ -396,7 +508,7 @@ def check_row(row: dict[str, Any], *, fast: bool = False, gpu_name: str | None =
         return RowCheck(**base, predicted=none, error_pct=none, diff_bytes=none, fits_predicted=None,
                         note=f"{what}: {row.get('error') or row.get('reason') or 'unknown'}")
     try:
-        predicted, fits = _predict(row, fast=fast, gpu_name=gpu_name)
+        predicted, fits = _predict(row, fast=fast, gpu_name=gpu_name, cache=cache)
     except LLMemError as e:
         return RowCheck(**base, predicted=none, error_pct=none, diff_bytes=none, fits_predicted=None,
                         note=f"not predicted: {e}")
@@ -433,7 +545,8 @@ def validate_rows(rows: Iterable[dict[str, Any]], *, fast: bool = False, gpu: st
     Returns:
         The :class:`ValidationReport`.
     """
-    checks = [check_row(r, fast=fast, gpu_name=gpu) for r in rows]
+    cache: dict[str, Any] = {}  # one method estimate for the ranks of a config
+    checks = [check_row(r, fast=fast, gpu_name=gpu, cache=cache) for r in rows]
     measured = [c for c in checks if c.kind != "stub"]
     stub = [c for c in checks if c.kind == "stub"]
     summary = {m: _summary([c.error_pct[m] for c in measured if c.error_pct[m] is not None]) for m in METRICS}

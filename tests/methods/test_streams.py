@@ -31,6 +31,18 @@ def test_a_block_freed_on_a_side_stream_serves_only_that_stream():
     assert one.peak_allocated_bytes == two.peak_allocated_bytes == 20 * MiB
 
 
+def test_empty_cache_releases_every_streams_free_segments_and_restarts_the_peaks():
+    # Setup: 100 MiB made and freed on the default stream, 30 MiB on stream 1; then a 12 MiB step tensor.
+    events = [(1, 0, 100 * MiB), (1, 1, 30 * MiB), (-1, 0, 100 * MiB), (-1, 1, 30 * MiB), (1, 2, 12 * MiB)]
+    kept = replay_streams(events, {1: 1}, AllocatorConfig())
+    emptied = replay_streams(events, {1: 1}, AllocatorConfig(), empty_cache_at=4)
+    assert kept.peak_reserved_bytes == 130 * MiB  # the 12 MiB split off the cached 100 MiB segment
+    # torch.cuda.empty_cache(): both streams' unsplit segments go; reset_peak_memory_stats(): the peak
+    # is the step's own 12 MiB segment.
+    assert emptied.peak_reserved_bytes == 12 * MiB
+    assert emptied.peak_allocated_bytes == 12 * MiB
+
+
 def test_chunk_cat_metadata_of_a_root_group_over_8_ranks():
     """Llama-3.2-1B's untied root group (embedding, final norm, head), bf16
     gradients into the fp32 reduce-scatter input: one block per 2 KiB of each

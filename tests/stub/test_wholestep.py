@@ -31,7 +31,7 @@ CASES = (
     "gpt2-fp32-s1024-b8-sdpa",  # full GPT-2 124M: segments of the large pool
     "tiny-distilbert-sst2-bf16-mixed-s64-b2-sdpa",  # a sequence classifier: labels [batch]
     "tiny-t5-base-bf16-mixed-s64-b2-sdpa-t16",  # seq2seq: a 16-token target under a 64-token source
-    "tiny-bart-base-fp32-s32-b2-sdpa-t16",  # BART; with LoRA the stub measures 4 KiB more (docs/models.md)
+    "tiny-bart-base-fp32-s32-b2-sdpa-t16",  # BART; with LoRA: test_bart_lora_once_the_mask_read_is_a_gpu_s below
     "tiny-seqcls-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",  # a decoder saved as a sequence classifier
     "tiny-seqcls-bert-base-uncased-bf16-mixed-s64-b2-sdpa",  # BERT and RoBERTa classifiers
     "tiny-seqcls-roberta-base-fp32-s64-b2-sdpa",
@@ -94,3 +94,28 @@ def test_estimate_equals_the_stub_allocator(rows):
         assert c.predicted["reserved"] == c.measured["reserved"], (c.id, c.diff_bytes)
     assert report.num_stub_exact == len(CASES)
     assert report.summary["allocated"].num_rows == 0  # none of it counts as GPU truth
+
+
+def test_bart_lora_once_the_mask_read_is_a_gpu_s(stub, tmp_path):
+    """BART with LoRA on q_proj/v_proj: at its peak (backward's start) the decoder's self-attention masks are
+    alive. On a GPU, transformers reads its all-ones decoder mask as unpadded and attends with is_causal;
+    the stub reads 0 there and builds a boolean mask that torch converts per layer (+2,048 B per layer,
+    tests/stub/_unpadded_masks.py). With that read answered as a GPU answers it, the estimate is exact."""
+    import json
+    import os
+
+    case = "tiny-bart-base-fp32-s32-b2-lora-sdpa-t16"
+    row_file = tmp_path / "row.json"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(stub.ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = stub.run_python(["-m", "tests.stub._unpadded_masks", "--worker", case, "--worker-device", "stub",
+                            "--stub-gpu", "h100-sxm", "--steps", "2", "--row-file", str(row_file)],
+                           env=env, timeout_s=300)
+    assert row_file.exists(), proc.stderr[-2000:]
+    row = json.loads(row_file.read_text())
+    assert row["status"] == "ok", row["error"]
+    assert row["stub"]["neutralised"] == {"transformers.masking_utils._ignore_causal_mask_sdpa": 2}
+    assert row["stub"]["device_reads"] == []  # no read left that takes the all-zero path
+    (c,) = validate_rows([row]).rows
+    assert c.kind == "stub" and c.note == ""
+    assert c.predicted["allocated"] == c.measured["allocated"], c.diff_bytes
+    assert c.predicted["reserved"] == c.measured["reserved"], c.diff_bytes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from llmem_plugin.cli.app import main
 from llmem_plugin.cli.options import EXIT_BAD_INPUT
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.estimate import estimate
-from llmem_plugin.verify.validate import check_row, device_kind, validate_rows
+from llmem_plugin.verify.validate import check_row, device_kind, load_rows, validate_rows
 from llmem_plugin.workload import Workload
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -136,3 +137,57 @@ def test_cli_reports_stub_rows_in_their_own_section(prediction, tmp_path, capsys
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({**rows[0], "device_kind": "tpu"}) + "\n")
     assert main(["validate", str(bad)]) == EXIT_BAD_INPUT
+
+
+# Rows of the stub's distributed runner (benchmarks/groundtruth/stub_distributed.py): the preset's name in
+# ``method`` beside world_size, tp, rank and options. Their measured peaks are the stub's own.
+DIST = Path(__file__).resolve().parents[2] / "benchmarks" / "groundtruth" / "data" / \
+    "stub-distributed-h100-2026-11-25.jsonl"
+
+
+def test_stub_distributed_rows_are_predicted_rank_by_rank(monkeypatch):
+    import llmem_plugin.methods as methods
+
+    rows = {r["id"]: r for r in load_rows(DIST)}
+    assert len(rows) == 38
+    assert rows["lowlevel-zero2-w2-tiny-r1"]["method"] == {"name": "lowlevel-zero2", "num_gpus": 2, "num_nodes": 1,
+                                                           "tp": 1, "rank": 1, "options": {"stage": 2}}
+    calls = []
+    real = methods.estimate_method
+    monkeypatch.setattr(methods, "estimate_method", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    # stage 2 is the preset's own (the runner passes it to the plugin only); rank 3 of dp x tp is not
+    # reported by the estimate and reads as the reported rank alike to it.
+    picked = [rows[i] for i in ("lowlevel-zero2-w2-tiny-r0", "lowlevel-zero2-w2-tiny-r1", "dp-tp2-w4-tiny-r3")]
+    report = validate_rows(picked)
+    assert calls == ["lowlevel-zero2", "dp-tp"]  # one estimate for both ranks of a config
+    for c, row in zip(report.rows, picked, strict=True):
+        assert c.kind == "stub" and c.runner == "stub-distributed" and c.note == ""
+        # The stub's allocator peaks (73,400,320 B reserved on both LowLevelZero ranks), byte for byte.
+        assert (c.predicted["allocated"], c.predicted["reserved"]) == (
+            row["measured"]["allocated_bytes"], row["measured"]["reserved_bytes"])
+    assert report.rows[0].measured["reserved"] == 73400320
+    assert report.num_stub_exact == 3
+
+
+def test_stub_distributed_rows_that_cannot_be_read(tmp_path):
+    row = json.loads(DIST.read_text().splitlines()[2])  # ddp-w2-tiny-r0
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({**row, "world_size": None}) + "\n")
+    with pytest.raises(ConfigError, match=r"rows.jsonl:1: world_size is None, not a JSON integer\. HINT: rows of "
+                                          "the stub's distributed runner"):
+        load_rows(path)
+    low = {**row, "id": "zero1-stage2", "method": "lowlevel-zero1", "options": {"stage": 2}}
+    c = check_row(low)
+    assert c.predicted["allocated"] is None and c.note == (
+        "not predicted: row 'zero1-stage2': option stage=2 contradicts method 'lowlevel-zero1', which fixes "
+        "stage=1. HINT: name the preset that sets it, or drop the option")
+
+
+def test_cli_validates_stub_distributed_rows(tmp_path, capsys):
+    lines = DIST.read_text().splitlines()
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines[2:4]) + "\n")  # ddp-w2-tiny, ranks 0 and 1
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ddp-w2-tiny-r0" in out and "ddp-w2-tiny-r1" in out
+    assert "equal to the estimate byte for byte (allocated and reserved): 2 of 2" in out

@@ -715,7 +715,10 @@ class _FlashAttention(torch.autograd.Function):
         if gqa:  # mha_bwd: at::sum_out(dk, reshape(dk_expanded, {b, s_k, h_k, h / h_k, d}), {3})
             torch.sum(dk_e.reshape(b, s_k, h_k, h // h_k, d), dim=3, out=dk)
             torch.sum(dv_e.reshape(b, s_k, h_k, h // h_k, d), dim=3, out=dv)
-        del softmax_d, dq_accum, dk_e, dv_e, dout, out_c
+        # C++ destroys locals in reverse order of declaration: mha_bwd's dv_expanded, dk_expanded, dq_accum
+        # [F]; then _flash_attention_backward's tuple (softmax_d), contiguous_out, contiguous_grad_out [B]
+        # (as the stub device's allocator history shows).
+        del dv_e, dk_e, dq_accum, softmax_d, out_c, dout
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
 
 
@@ -855,7 +858,9 @@ class _EfficientAttention(torch.autograd.Function):
                 if want_bias:
                     grad_bias.copy_(grads[3].sum_to_size(bias.shape))
                 del grads
-        del workspace, delta, g_out
+        # Reverse order of declaration [B]: delta is the launch lambda's, workspace and grad_out (the
+        # .contiguous() copy, declared first) _efficient_attention_backward's.
+        del delta, workspace, g_out
         return (grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), grad_bias,
                 None, None, None, None, None)
 
