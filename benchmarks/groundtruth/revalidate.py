@@ -31,7 +31,6 @@ import datetime
 import hashlib
 import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -78,14 +77,9 @@ def _sha256(path: Path) -> str:
 
 
 def _commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+    from benchmarks.groundtruth.provenance import checkout_commit
+
+    return checkout_commit(REPO)
 
 
 def revalidate(files: Sequence[str] | None = None, *, published: bool = True, root: Path = REPO,

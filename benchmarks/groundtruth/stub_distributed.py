@@ -173,17 +173,9 @@ def predict(config: StubConfig, *, gpu: str = DEFAULT_GPU) -> dict[int, dict[str
 
 
 def _commit() -> str | None:
-    """The checkout's commit (predictions change with the estimator), "+dirty" with uncommitted changes."""
-    import subprocess
+    from benchmarks.groundtruth.provenance import checkout_commit
 
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+    return checkout_commit(_REPO_ROOT)
 
 
 def _predicted_for(pred: dict[int, dict[str, int]], rank: int) -> tuple[dict[str, int], str]:
