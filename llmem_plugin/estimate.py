@@ -706,6 +706,7 @@ def estimate(
     t0 = time.perf_counter()
     inputs = _resolve_inputs(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory, alloc_conf=alloc_conf,
                              host_memory=host_memory)
+    inputs = dataclasses.replace(inputs, alloc_config=inputs.alloc_config.for_torch(torch_version))
     built = _build(model, inputs, torch_version=torch_version)
     traced = _trace_model(model, inputs, built, fast=fast)
     replayed = _replay(traced, inputs, built)
