@@ -584,6 +584,7 @@ def simulate_trace(
         whether the step fits.
     """
     events, phases = allocator_events(trace, overheads)
+    events, phases = settled_events(trace, events, phases, config)
     free = replay(events, config, labels=phases, timeline_points=timeline_points)
     if capacity is None:
         return free, True
@@ -596,6 +597,34 @@ def simulate_trace(
     if capped.oom:
         return free, False
     return capped, True
+
+
+# Steps played past the traced ones at most, looking for the step after which reserved stops growing.
+_MAX_EXTRA_STEPS = 4
+
+
+def settled_events(trace: TraceResult, events: list[tuple[int, int, int]], phases: list[str],
+                   config: AllocatorConfig) -> tuple[list[tuple[int, int, int]], list[str]]:
+    """The stream replayed for the steady state: as traced, or, where ties between equal-size free
+    blocks go to the newest segment (``config.large_segments_descend``), with the last traced step
+    played again until reserved stops growing (:mod:`llmem_plugin.device.steady`)."""
+    from llmem_plugin.device.steady import repeat_last_iteration
+    from llmem_plugin.trace.step import NUM_ITERATIONS, micro_mark
+
+    pos = trace.marks.get(micro_mark(NUM_ITERATIONS - 1, 0))
+    if not config.large_segments_descend or pos is None:
+        return events, phases
+    start = trace_positions(events)[pos]
+    best, reserved = (events, phases), replay(events, config).peak_reserved_bytes
+    for times in range(1, _MAX_EXTRA_STEPS + 1):
+        longer = repeat_last_iteration(events, start, times)
+        if longer is None:
+            break
+        more = replay(longer, config).peak_reserved_bytes
+        if more == reserved:
+            break
+        best, reserved = (longer, phases + phases[start:] * times), more
+    return best
 
 
 def trace_positions(events: list[tuple[int, int, int]]) -> list[int]:
@@ -706,6 +735,7 @@ def estimate(
     t0 = time.perf_counter()
     inputs = _resolve_inputs(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory, alloc_conf=alloc_conf,
                              host_memory=host_memory)
+    inputs = dataclasses.replace(inputs, alloc_config=inputs.alloc_config.for_torch(torch_version))
     built = _build(model, inputs, torch_version=torch_version)
     traced = _trace_model(model, inputs, built, fast=fast)
     replayed = _replay(traced, inputs, built)

@@ -48,6 +48,9 @@ __all__ = ["AllocatorConfig", "AllocatorResult", "CachingAllocator", "SimulatedO
 _EXPANDABLE_ADDRESS_SPACE = 1 << 44
 # Gap between simulated segments so blocks of different segments never touch.
 _SEGMENT_GAP = 1 << 30
+# Where top-down large segments start (AllocatorConfig.large_segments_descend): far above the
+# bottom-up ones, so the two never meet.
+_DESCENDING_TOP = 1 << 62
 
 
 class SimulatedOOM(Exception):
@@ -239,6 +242,8 @@ class CachingAllocator:
         self.stats = _Stats()
         self._live: dict[int, _Block] = {}
         self._next_base = _SEGMENT_GAP
+        # With config.large_segments_descend, new large segments are placed top-down from here.
+        self._next_top = _DESCENDING_TOP
 
     # ------------------------------------------------------------ sizing rules
     def round_size(self, size: int) -> int:
@@ -395,8 +400,12 @@ class CachingAllocator:
             return self._try_allocate_expandable_block(pool, size)
         if not self._fits_device(alloc_size):
             return None
-        seg = _Segment(base=self._next_base, expandable=False)
-        self._next_base += alloc_size + _SEGMENT_GAP
+        if self.config.large_segments_descend and not pool.small:
+            self._next_top -= alloc_size + _SEGMENT_GAP
+            seg = _Segment(base=self._next_top, expandable=False)
+        else:
+            seg = _Segment(base=self._next_base, expandable=False)
+            self._next_base += alloc_size + _SEGMENT_GAP
         self._add_reserved(alloc_size)
         self.stats.segments.add(seg.base)
         return _Block(seg.base, alloc_size, pool.small, seg)

@@ -80,6 +80,19 @@ class AllocatorConfig:
             (kLargeBuffer, 20 MiB; ``large_segment_size_mb`` from torch 2.11,
             c10/core/AllocatorConfig.h ``large_segment_size_``).
         backend: ``native`` or ``cudaMallocAsync`` (the latter is not modelled).
+        large_segments_descend: Not an option of ``PYTORCH_CUDA_ALLOC_CONF``:
+            which of several equal-size free blocks a request takes, set by
+            :meth:`for_torch` from the torch the job runs. Up to torch 2.11
+            the free-block sets order by (stream, size, address)
+            (``BlockComparatorSize``), and on a GPU each new large segment
+            lies below the earlier ones, so a tie goes to the newest large
+            segment; 2 MiB small-pool segments go the other way. From torch
+            2.13 ties go to the oldest segment (pytorch#183591: a counter set
+            at each cudaMalloc, ``BlockComparatorSizeCounterAddress``), as
+            ascending addresses give. Reproduced on the stub device with torch
+            2.11 and both address orders against the H200 rows
+            (benchmarks/results/version-diff-h200-2026-12-06.md); the GPU's
+            address order is inferred from those rows, not yet observed.
     """
 
     max_split_size_bytes: int | None = None
@@ -89,6 +102,7 @@ class AllocatorConfig:
     expandable_segments: bool = False
     large_segment_bytes: int = LARGE_BUFFER
     backend: str = "native"
+    large_segments_descend: bool = False
 
     @property
     def max_split_bytes(self) -> int:
@@ -125,6 +139,14 @@ class AllocatorConfig:
             parts.append(f"backend:{self.backend}")
         return ",".join(parts)
 
+    def for_torch(self, torch_version: str | None) -> AllocatorConfig:
+        """These settings as the allocator of ``torch_version`` (the installed torch if None) breaks
+        ties between equal-size free blocks on a GPU (see ``large_segments_descend``). torch 2.12 was
+        not measured: it is taken as 2.11, the release before the counter."""
+        import dataclasses
+
+        return dataclasses.replace(self, large_segments_descend=_torch_minor(torch_version) < (2, 13))
+
     @classmethod
     def from_env(cls, text: str | None = None) -> AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string (the environment's if None).
@@ -145,6 +167,20 @@ class AllocatorConfig:
                 continue
             kw.update(_parse_option(key, value))
         return cls(**kw)
+
+
+def _torch_minor(text: str | None) -> tuple[int, int]:
+    if text is not None:  # a user's value: a version inside the modelled range
+        from llmem_plugin.device.versions import check_torch_version
+
+        return check_torch_version(text, name="torch_version")
+    import re
+
+    import torch
+
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    assert m, f"unparseable installed torch version {torch.__version__!r}"
+    return int(m.group(1)), int(m.group(2))
 
 
 def _split_options(text: str) -> list[tuple[str, str]]:

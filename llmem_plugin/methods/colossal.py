@@ -436,7 +436,8 @@ def estimate(
     meta, dtype, kind = _setup(model, workload, layout, plugin, options)
     es = torch.empty((), dtype=dtype).element_size()
     dp = layout.dp
-    conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    conf = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+            else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version,
                                  uses_cublaslt=uses_cublaslt(meta), nccl_world_sizes=(layout.num_gpus,))
     capacity = gpu.capacity_bytes - overheads.outside_allocator_bytes

@@ -541,7 +541,8 @@ def estimate(
     _check(config, workload, layout=layout, preset=preset, zero_stage=zero_stage, options=options)
     dtype = _dtype(workload, zero_stage)
     meta = build_training_model(model, workload, dtype)
-    conf = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    conf = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+            else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     uses_lt = any(isinstance(m, nn.Linear) and m.bias is not None for m in meta.modules())
     overheads = device_overheads(gpu.compute_capability, torch_version=torch_version, uses_cublaslt=uses_lt,
                                  nccl_world_sizes=(layout.tp, layout.dp))

@@ -178,7 +178,8 @@ def estimate(
     if layout.tp != 1:
         raise ConfigError(f"--method {preset} replicates the whole model; got --tp {layout.tp}. HINT: use --tp 1 "
                           "or --method dp-tp")
-    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    config = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+              else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     net = modelbuild.build_model(model, workload, device="meta")
     if getattr(net, "config", None) is not None:
         layout.check_model(net.config)

@@ -137,7 +137,8 @@ def estimate(
         raise ConfigError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     param_dtype = _param_dtype(wl, mixed_precision)
     target = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
-    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    config = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+              else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     probe = modelbuild.build_model(model, wl, device="meta")
     model_config = getattr(probe, "config", None)
     if model_config is not None:

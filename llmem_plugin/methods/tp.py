@@ -544,7 +544,8 @@ def estimate(
     if data_parallel not in ("none", "replicate", "fully_shard"):
         raise ConfigError(f"unknown data_parallel '{data_parallel}'; valid: none, replicate, fully_shard")
     target = gpu if isinstance(gpu, GPU) else get_gpu(gpu or DEFAULT_GPU)
-    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    config = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+              else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     # The plan is checked before building: other architectures may not even
     # build in this workload (e.g. MoE experts in bf16-mixed).
     model_config = getattr(model, "config", None) if isinstance(model, nn.Module) else resolve_config(model)

@@ -60,7 +60,9 @@ def _profile_point(model: Any, workload: Workload, gpu: GPU, alloc_conf: Any) ->
     overheads = device_overheads(gpu.compute_capability, uses_cublaslt=uses_cublaslt(meta))
     from llmem_plugin.device.allocator_config import AllocatorConfig
 
-    cfg = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    cfg = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+
+           else AllocatorConfig.from_env(alloc_conf)).for_torch(None)
     if ext.short is None:
         sim = simulate_trace(ext.result, cfg, overheads, None)[0]
         per_flops = flops_of_step(flops[0], NUM_ITERATIONS, workload.grad_accum_steps)

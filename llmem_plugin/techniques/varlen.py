@@ -982,7 +982,8 @@ def estimate_variable_length(
                                "tokens, so its batches do not vary in length. HINT: drop one of the two")
     check_supported("single", wl)
     target = est._resolve_gpu(gpu, gpu_memory)
-    config = alloc_conf if isinstance(alloc_conf, AllocatorConfig) else AllocatorConfig.from_env(alloc_conf)
+    config = (alloc_conf if isinstance(alloc_conf, AllocatorConfig)
+              else AllocatorConfig.from_env(alloc_conf)).for_torch(torch_version)
     meta = modelbuild.build_model(model, wl, device="meta")
     cfg = getattr(meta, "config", None)
     overheads = device_overheads(target.compute_capability, torch_version=torch_version,

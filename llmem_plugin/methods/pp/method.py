@@ -33,6 +33,7 @@ rows: each schedule step ends in FSDP2's reduction into the sharded gradients
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -706,6 +707,7 @@ def estimate(
                        pipeline_degree=pipeline_degree, microbatches=microbatches, stages_per_rank=stages_per_rank,
                        split=split, return_outputs=return_outputs, fast=fast, compose=compose,
                        stand_in_steps=stand_in_steps, placeholders=placeholders)
+    job = dataclasses.replace(job, alloc_conf=job.alloc_conf.for_torch(torch_version))
     probe, base, specs = _split_stages(model, job)
     traced = ranks if ranks is not None else _default_ranks(job, base, specs)
     outcomes = _rank_outcomes(model, job, probe, base, specs, traced, torch_version=torch_version,
