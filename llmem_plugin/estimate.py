@@ -9,6 +9,7 @@ import io
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -560,6 +561,22 @@ def _check_source(model: Any) -> None:
                           "or a catalog name from `llmem models`")
 
 
+_peaks_after_load = [False]
+
+
+@contextlib.contextmanager
+def peaks_after_load() -> Iterator[None]:
+    """Within this block :func:`simulate_trace` calls ``torch.cuda.empty_cache()`` and
+    ``torch.cuda.reset_peak_memory_stats()`` at the trace's ``loaded`` mark, so its peaks are those
+    of the steps after a setup whose cached blocks were released, as a job that does so reads them
+    (benchmarks/groundtruth's harness does, before step 1: ``_Recorder.reset``)."""
+    _peaks_after_load.append(True)
+    try:
+        yield
+    finally:
+        _peaks_after_load.pop()
+
+
 def simulate_trace(
     trace: TraceResult,
     config: AllocatorConfig,
@@ -585,14 +602,18 @@ def simulate_trace(
     """
     events, phases = allocator_events(trace, overheads)
     events, phases = settled_events(trace, events, phases, config)
-    free = replay(events, config, labels=phases, timeline_points=timeline_points)
+    from llmem_plugin.trace.loading import LOADED_MARK
+
+    loaded = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if _peaks_after_load[-1] else None
+    reset = None if loaded is None else trace_positions(events)[loaded]
+    free = replay(events, config, labels=phases, timeline_points=timeline_points, empty_cache_at=reset)
     if capacity is None:
         return free, True
     if free.peak_reserved_bytes + overheads.outside_allocator_bytes <= capacity:
         return free, True
     capped = replay(
         events, config, capacity_bytes=max(capacity - overheads.outside_allocator_bytes, 0),
-        labels=phases, timeline_points=timeline_points,
+        labels=phases, timeline_points=timeline_points, empty_cache_at=reset,
     )
     if capped.oom:
         return free, False

@@ -353,7 +353,7 @@ _KBIT_PREPARE = ("on", "off", "norms-only")
 # The dtypes bitsandbytes' quantize_4bit takes (functional.py: fp16, bf16, fp32).
 _QUANTIZED_FROM = ("fp16", "bf16", "fp32")
 # How the weights reach the GPU (llmem_plugin.trace.loading models each).
-_LOADS = ("direct", "fp32-cast", "torchtune-0.1")
+_LOADS = ("direct", "fp32-cast", "torchtune-0.1", "device-quantize")
 # The 16-bit dtypes ``--load fp32-cast`` casts to.
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -476,8 +476,10 @@ class Workload:
         load: How the weights reach the GPU before step 1
             (:mod:`llmem_plugin.trace.loading`): ``direct`` (each tensor once, in
             its training dtype) or ``fp32-cast`` (materialised in fp32, then
-            cast to the 16-bit training dtype). QLoRA always loads as
-            bitsandbytes quantizes on load; ``nf4-torchao`` as torchtune
+            cast to the 16-bit training dtype). QLoRA loads as bitsandbytes
+            quantizes on load (``direct``), or, with ``device-quantize``, from
+            the whole model first materialised on the GPU in its 16-bit dtype;
+            ``nf4-torchao`` as torchtune
             0.6.1 builds and loads it (``direct``) or as torchtune 0.1 did
             with torchao 0.1 (``torchtune-0.1``).
         checkpoint_save_ops: With ``grad_checkpointing``, op-level selective
@@ -710,6 +712,9 @@ class Workload:
         if self.load == "torchtune-0.1" and self.quantize is not Quantization.NF4_TORCHAO:
             raise ConfigError("--load torchtune-0.1 is torchtune 0.1's QLoRA setup (torchao NF4). "
                               "HINT: add --quantize nf4-torchao, or drop --load")
+        if self.load == "device-quantize" and (self.quantize is None or not self.quantize.bitsandbytes):
+            raise ConfigError("--load device-quantize quantizes a 16-bit model on the GPU with bitsandbytes. "
+                              "HINT: add --quantize nf4 or fp4, or drop --load")
         if self.load == "fp32-cast" and self.precision.param_dtype not in _HALF:
             raise ConfigError(f"--load fp32-cast casts the weights to a 16-bit dtype, but --precision "
                               f"{self.precision.value} trains in fp32. HINT: --precision bf16, or drop --load")

@@ -196,11 +196,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "ids in every attention call, after transformers' DataCollatorWithFlattening)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
-    g.add_argument("--load", default="direct", choices=("direct", "fp32-cast", "torchtune-0.1"),
+    g.add_argument("--load", default="direct", choices=("direct", "fp32-cast", "torchtune-0.1", "device-quantize"),
                    help="how the weights reach the GPU before step 1: direct (each tensor once in its training "
                         "dtype, the default; with --quantize nf4-torchao, as torchtune 0.6.1 builds and loads it), "
-                        "fp32-cast (materialised in fp32, then cast one by one) or torchtune-0.1 (torchtune 0.1's "
-                        "QLoRA setup with torchao 0.1); the report gives the setup phase beside the step")
+                        "fp32-cast (materialised in fp32, then cast one by one), torchtune-0.1 (torchtune 0.1's "
+                        "QLoRA setup with torchao 0.1) or device-quantize (with --quantize nf4/fp4: the whole "
+                        "model on the GPU in 16 bits, then quantized layer by layer); the report gives the setup phase beside the step")
     g.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
                         "image-text-to-text, masked-lm (default: the class the config's architectures names; "

@@ -326,6 +326,12 @@ class CachingAllocator:
         """``torch.cuda.empty_cache()``: release every unsplit cached segment."""
         self._release_cached_blocks()
 
+    def reset_peaks(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``: the peaks restart from the current values."""
+        st = self.stats
+        st.peak_allocated, st.peak_requested = st.allocated, st.requested
+        st.peak_reserved, st.allocated_at_peak_reserved = st.reserved, st.allocated
+
     def segments(self) -> list[list[tuple[int, bool]]]:
         """Each held segment as its blocks' (size, allocated), in address order
         (unmapped parts of expandable segments left out)."""
@@ -644,6 +650,7 @@ def replay(
     device_memory_bytes: int | None = None,
     labels: Sequence[str] | None = None,
     timeline_points: int = 0,
+    empty_cache_at: int | None = None,
 ) -> AllocatorResult:
     """Run an ordered alloc/free stream through the simulated allocator.
 
@@ -660,6 +667,10 @@ def replay(
         timeline_points: When > 0, the result's ``timeline`` holds the
             allocated and reserved bytes after each event, thinned to about
             this many points (see :func:`_thin_timeline`).
+        empty_cache_at: Before this event, ``torch.cuda.empty_cache()`` then
+            ``torch.cuda.reset_peak_memory_stats()``: the peaks (per label too)
+            are those from there on, as a job that resets them after loading
+            reads them.
 
     Returns:
         The peaks; ``oom`` is set (and the replay stops) at the first request
@@ -677,6 +688,11 @@ def replay(
     oom_event = -1
     for i, (sign, key, nbytes) in enumerate(events):
         lab = labels[i] if labels is not None else ""
+        if i == empty_cache_at:
+            alloc.empty_cache()
+            alloc.reset_peaks()
+            ph_alloc.clear()
+            ph_res.clear()
         if sign > 0:
             if nbytes <= 0:  # zero-byte tensors get a null pointer, no block
                 if timeline_points > 0:

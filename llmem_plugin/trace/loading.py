@@ -22,6 +22,13 @@ the job does it, on the same tracker, before the first micro-batch
   mean is quantized blockwise and both fp32 copies released), then released.
   With ``kbit_prepare="on"``, peft's ``prepare_model_for_kbit_training``
   then casts every other 16-bit parameter to fp32, one at a time.
+  ``device-quantize``: the whole model is first materialised on the GPU in
+  its 16-bit dtype (every weight, in parameter order), then each linear layer
+  is quantized in module order and its 16-bit weight released (a 16-bit model
+  moved to the GPU before bitsandbytes' ``Params4bit.to`` quantizes it, as
+  benchmarks/groundtruth/techniques.py ``_build_quantized`` does): the 4-bit
+  weights are carved out of the 16-bit weights' freed blocks, so segments
+  that empty_cache cannot release keep holes between them.
 * torchao's NF4 (``--quantize nf4-torchao``) loads as torchtune does
   (:mod:`llmem_plugin.techniques.nf4_setup`): the model made on the device,
   each weight quantized from a 16-bit one with ``to_nf4``, then the
@@ -140,6 +147,7 @@ def place_weights(tracker, model: nn.Module, params: list[torch.Tensor], workloa
     upcast = [p for p in params if id(p) not in adapters and id(p) not in owner and id(p) not in bias_of
               and p.dtype == torch.float32 and workload.kbit_prepare != "off" and load_dtype in _HALF]
     loaded_as: dict[int, torch.Tensor] = {}
+    on_device = workload.load == "device-quantize"
     for p in params:
         if id(p) in adapters:
             continue
@@ -151,19 +159,28 @@ def place_weights(tracker, model: nn.Module, params: list[torch.Tensor], workloa
             else:
                 put([p])
             continue
-        _quantize_on_load(layer, load_dtype, put, tracker)
+        if on_device:  # the 16-bit weight, made with the model; quantized once all are in place
+            with tracker.owned_by(layer.weight):
+                loaded_as[id(p)] = torch.empty((layer.out_features, layer.in_features), dtype=load_dtype)
+        else:
+            _quantize_on_load(layer, load_dtype, put, tracker)
+    if on_device:
+        for layer in quantized:  # in module order, each 16-bit weight released after its quantization
+            _quantize_on_load(layer, load_dtype, put, tracker, loaded_as.pop(id(layer.weight)))
     for p in upcast:  # prepare_model_for_kbit_training: param.data = param.data.to(torch.float32)
         put([p])
         del loaded_as[id(p)]
     put(params)
 
 
-def _quantize_on_load(layer, load_dtype: torch.dtype, put, tracker) -> None:
-    """``Params4bit._quantize``: the 16-bit weight on the device, ``quantize_4bit``, the weight released."""
+def _quantize_on_load(layer, load_dtype: torch.dtype, put, tracker, w: torch.Tensor | None = None) -> None:
+    """``Params4bit._quantize``: the 16-bit weight on the device (``w``, or made here), ``quantize_4bit``,
+    the weight released."""
     from llmem_plugin.trace.tracker import MemoryCategory
 
-    with tracker.owned_by(layer.weight):
-        w = torch.empty((layer.out_features, layer.in_features), dtype=load_dtype)
+    if w is None:
+        with tracker.owned_by(layer.weight):
+            w = torch.empty((layer.out_features, layer.in_features), dtype=load_dtype)
     put([layer.weight])  # the packed 4-bit weight
     buffers = dict(layer.named_buffers())
     if not layer.double_quant:

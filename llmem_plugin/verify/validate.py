@@ -10,6 +10,11 @@ torch version and ``PYTORCH_CUDA_ALLOC_CONF``, and compares:
 * **device total** with the device's used memory from NVML, less what the
   device used before the run started (``gpu.idle_used_bytes``).
 
+Single-GPU rows of the harness (GPU and stub) are predicted as the harness
+ran them: ``torch.cuda.empty_cache()`` and a peak reset after the model is
+built, and bitsandbytes' QLoRA built as a 16-bit model on the device, then
+quantized (``--load device-quantize``; see :func:`_harness_loading`).
+
 Errors are signed, ``(predicted - measured) / measured`` in percent; a
 negative error is an under-estimate, the direction that causes OOM. Rows run
 at the edge of capacity (``edge``) also score the fits/OOM verdict.
@@ -415,25 +420,42 @@ def _sdpa_backends(row: dict[str, Any]) -> Iterator[None]:
 def _predict(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
              cache: dict[str, Any] | None) -> tuple[dict[str, int | None], bool | None]:
     with _sdpa_backends(row), _harness_loading(row):
-        return _predict_as_run(row, fast=fast, gpu_name=gpu_name, cache=cache)
+        return _predict_as_run(_as_harness_built(row), fast=fast, gpu_name=gpu_name, cache=cache)
 
 
 def _harness_loading(row: dict[str, Any]):
-    """The model build of the harness that measured ``row``, where it differs from the job's.
+    """The setup phase of the harness that measured ``row``, where it differs from the job's.
 
+    On the GPU and the stub device the harness empties the cache and resets the peaks before
+    step 1 (benchmarks/groundtruth/cuda.py ``_Recorder.reset``, ``stub_worker._reset``): the
+    replay does the same at the trace's loaded mark (:func:`llmem_plugin.estimate.peaks_after_load`).
     For torchao's NF4 the harness quantizes each linear weight in place with ``to_nf4``
-    (benchmarks/groundtruth/techniques.py: ``_build_torchao``), then empties the cache and resets
-    the peaks before step 1 (``_Recorder.reset``, ``stub_worker._reset``): what it measures starts
-    from the NF4 weights placed, not from torchtune's build-and-load setup the estimate models
-    for a job (llmem_plugin.techniques.nf4_setup).
+    (benchmarks/groundtruth/techniques.py: ``_build_torchao``): what it measures starts from the
+    NF4 weights placed, not from torchtune's build-and-load setup the estimate models for a job
+    (llmem_plugin.techniques.nf4_setup).
     """
     import contextlib
 
+    from llmem_plugin.estimate import peaks_after_load
     from llmem_plugin.trace.loading import direct_only
 
-    if (row.get("workload") or {}).get("quantize") == "nf4-torchao" and row.get("device") != "cpu":
-        return direct_only()
-    return contextlib.nullcontext()
+    if row.get("device") == "cpu":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(peaks_after_load())
+    if (row.get("workload") or {}).get("quantize") == "nf4-torchao":
+        stack.enter_context(direct_only())
+    return stack
+
+
+def _as_harness_built(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the load its harness ran: bitsandbytes' QLoRA is built as a 16-bit model on
+    the device, then quantized layer by layer (benchmarks/groundtruth/techniques.py
+    ``_build_quantized``: ``--load device-quantize``)."""
+    wl = row.get("workload") or {}
+    if row.get("device") == "cpu" or wl.get("quantize") not in ("nf4", "fp4"):
+        return row
+    return {**row, "workload": {**wl, "load": "device-quantize"}}
 
 
 def _predict_as_run(row: dict[str, Any], *, fast: bool, gpu_name: str | None,

@@ -361,3 +361,20 @@ def test_thinned_timeline_keeps_both_peaks_and_the_phase_starts():
     assert max(p[3] for p in thin.timeline) == thin.peak_reserved_bytes == full.peak_reserved_bytes
     kept = {p[0] for p in thin.timeline}
     assert {0, 1000, 2000, 2999} <= kept  # first, each phase's first event, last
+
+
+def test_empty_cache_at_releases_unsplit_segments_and_restarts_the_peaks():
+    """torch.cuda.empty_cache() releases every cached segment with no live block
+    (release_cached_blocks -> release_block only for a block with no prev/next), and
+    reset_peak_memory_stats() restarts the peaks from the current values."""
+    events = [
+        (1, 1, 100 * MiB), (1, 2, 12 * MiB),  # a 100 MiB segment and a 12 MiB one
+        (-1, 1, 100 * MiB),  # cached, unsplit: released at the reset
+        (1, 3, 6 * MiB),  # after the reset: a 6 MiB request takes a new 20 MiB segment (kLargeBuffer)
+    ]
+    res = replay(events, empty_cache_at=3)
+    assert res.peak_reserved_bytes == 12 * MiB + 20 * MiB
+    assert res.peak_allocated_bytes == 12 * MiB + 6 * MiB
+    whole = replay(events)  # without the reset: the 100 MiB segment stays cached and its peak counts
+    assert whole.peak_reserved_bytes == 112 * MiB
+    assert whole.peak_allocated_bytes == 112 * MiB

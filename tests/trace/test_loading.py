@@ -21,6 +21,7 @@ CASES = {
     "nf4": dict(quantize="nf4", lora=LORA),
     "nf4-dq": dict(quantize="nf4", double_quant=True, lora=LORA),
     "nf4-kbit-off": dict(quantize="nf4", lora=LORA, kbit_prepare="off"),
+    "nf4-device-quantize": dict(quantize="nf4", double_quant=True, lora=LORA, load="device-quantize"),
 }
 
 
@@ -77,6 +78,30 @@ def test_qlora_loads_each_quantized_weight_16_bit_first():
     assert live == sum(r(t.numel() * t.element_size()) for t in (*model.parameters(), *model.buffers()))
 
 
+def test_device_quantize_holds_the_whole_16_bit_model_then_the_first_quantized_layer():
+    # The 16-bit model made on the device (every weight in parameter order, the ones k-bit preparation
+    # upcasts still 16-bit), then each layer quantized in module order: before the first release the
+    # device holds the whole 16-bit model plus the first layer's 4-bit weight and buffers.
+    cfg = tiny_config("llama")
+    wl = Workload(seq_len=32, micro_batch_size=2, precision="bf16", quantize="nf4", lora=LORA,
+                  load="device-quantize")
+    fake, _ = fake_and_real(cfg, wl)
+    from llmem_plugin.techniques.quant import Linear4bitStandIn
+
+    model = llmem_plugin.models.modelbuild.build_model(cfg, wl, device="meta")
+    layers = [m for m in model.modules() if isinstance(m, Linear4bitStandIn)]
+    quantized = {id(m.weight) for m in layers}
+    sixteen = sum(r(m.out_features * m.in_features * 2) for m in layers)
+    others = sum(r(p.numel() * (2 if p.element_size() == 4 else p.element_size())) for p in model.parameters()
+                 if id(p) not in quantized and "lora_" not in next(n for n, q in model.named_parameters() if q is p))
+    first = r(layers[0].weight.numel() * layers[0].weight.element_size()) + sum(
+        r(b.numel() * b.element_size()) for b in layers[0].buffers())
+    setup = _setup(fake)
+    first_free = next(i for i, (sign, _, _) in enumerate(setup) if sign < 0)
+    assert _peak(setup[:first_free]) == sixteen + others + first
+    assert setup[first_free][2] == r(layers[0].out_features * layers[0].in_features * 2)  # its 16-bit weight
+
+
 def test_the_report_gives_the_setup_phase_and_bad_values_are_one_line(capsys):
     code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "64", "--precision", "bf16",
                        "--load", "fp32-cast")
@@ -86,6 +111,7 @@ def test_the_report_gives_the_setup_phase_and_bad_values_are_one_line(capsys):
     assert est.setup_reserved_bytes <= est.peak_reserved_bytes
     for kw, match in ((dict(load="fp32-cast", precision="fp32"), "trains in fp32"),
                       (dict(load="fp32-cast", quantize="nf4", lora=LORA), "drop --load"),
+                      (dict(load="device-quantize", lora=LORA), "device-quantize"),
                       (dict(load="mmap"), "unsupported load")):
         with pytest.raises(llmem_plugin.ConfigError, match=match):
             Workload(**kw)
