@@ -855,7 +855,42 @@ def _trace_model(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _
     """Step 3: the step of the built model under fake tensors, a long
     accumulation window shortened where it repeats (:func:`_steady_trace`);
     with ``fast``, built from two shortened copies instead where it can be
-    (:func:`_fast_trace`)."""
+    (:func:`_fast_trace`). Read from the trace cache where an earlier run
+    traced the same step (:mod:`llmem_plugin.trace.cache`)."""
+    from llmem_plugin.trace.cache import default_cache
+
+    cache = default_cache()
+    key = _trace_key(model, inputs, built, fast=fast) if cache is not None else None
+    hit = cache.get(key) if key is not None else None
+    if isinstance(hit, _Traced):
+        return dataclasses.replace(hit, notes=hit.notes + (
+            f"the step's trace was read from the trace cache ({cache.root}); --no-cache traces it anew",))
+    traced = _trace_model_uncached(model, inputs, built, fast=fast)
+    if key is not None:
+        cache.put(key, traced)
+    return traced
+
+
+def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> str | None:
+    """The trace cache's key for this step, or None where no config names the model (a module given
+    as such, a config without a JSON form)."""
+    if isinstance(model, nn.Module) or not hasattr(built.config, "to_json_string"):
+        return None
+    from llmem_plugin.trace import loading
+    from llmem_plugin.trace.cache import make_key
+
+    cls = type(built.model)
+    return make_key("single", {
+        "source": model if isinstance(model, (str, os.PathLike)) else None,
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "config": built.config.to_json_string(use_diff=False),
+        "workload": inputs.workload, "gpu": inputs.gpu, "alloc": inputs.alloc_config, "overheads": built.overheads,
+        "fast": fast, "direct_only": loading.direct_only_active(),
+    })
+
+
+def _trace_model_uncached(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _Traced:
+    """:func:`_trace_model` without the cache."""
     notes: list[str] = []  # fast mode's lines
     accum_notes: list[str] = []  # the accumulation window's, one per trace
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
+
 import transformers
+
+# The trace cache is keyed by the inputs and the code, not by what a test monkeypatches: off for the
+# suite (llmem_plugin/trace/cache.py), on only where tests/trace/test_cache.py turns it on.
+os.environ["LLMEM_NO_CACHE"] = "1"
 
 # Small but structurally complete configs: GQA where the family has it, tied
 # embeddings where the family ties them, dropout where the family has it.

@@ -12,6 +12,7 @@ Exit codes: 0 on success, 2 for bad input (one line on stderr, no traceback),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -81,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_args(args)
         check_config(args)
-        return args.func(args)
+        from llmem_plugin.trace.cache import disabled
+
+        with disabled() if getattr(args, "no_cache", False) else contextlib.nullcontext():
+            return args.func(args)
     except WontFitError as e:
         print(f"llmem: {_one_line(e)}", file=sys.stderr)
         return EXIT_WONT_FIT

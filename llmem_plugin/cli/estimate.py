@@ -14,6 +14,7 @@ import sys
 
 from llmem_plugin.cli.config import add_config_args, emit_json, show_recipe
 from llmem_plugin.cli.options import (
+    add_cache_arg,
     EXIT_WONT_FIT,
     GPUS,
     MAX_TP,
@@ -70,6 +71,7 @@ def estimate_parser(sub) -> None:
                         "counts such as 8,9,8,7")
     g = p.add_argument_group("output")
     g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    add_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")

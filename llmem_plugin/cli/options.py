@@ -33,6 +33,7 @@ __all__ = [
     "STAGES_PER_RANK",
     "TP",
     "add_gpu_args",
+    "add_cache_arg",
     "add_host_arg",
     "add_step_args",
     "add_target_args",
@@ -196,12 +197,14 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "ids in every attention call, after transformers' DataCollatorWithFlattening)")
     g.add_argument("--steps", type=_STEPS, default=None,
                    help="with --seq-lens, optimizer steps to replay (default: until reserved memory settles)")
-    g.add_argument("--load", default="direct", choices=("direct", "fp32-cast", "torchtune-0.1", "device-quantize"),
+    g.add_argument("--load", default="direct",
+                   choices=("direct", "fp32-cast", "torchtune-0.1", "device-quantize"),
                    help="how the weights reach the GPU before step 1: direct (each tensor once in its training "
                         "dtype, the default; with --quantize nf4-torchao, as torchtune 0.6.1 builds and loads it), "
                         "fp32-cast (materialised in fp32, then cast one by one), torchtune-0.1 (torchtune 0.1's "
                         "QLoRA setup with torchao 0.1) or device-quantize (with --quantize nf4/fp4: the whole "
-                        "model on the GPU in 16 bits, then quantized layer by layer); the report gives the setup phase beside the step")
+                        "model on the GPU in 16 bits, then quantized layer by layer); the report gives the setup "
+                        "phase beside the step")
     g.add_argument("--task", default=None,
                    help="what the model is trained for: causal-lm, seq-cls, token-cls, seq2seq, "
                         "image-text-to-text, masked-lm (default: the class the config's architectures names; "
@@ -341,6 +344,13 @@ def add_host_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", default=None, metavar="SIZE",
                    help="host (CPU) RAM per node, e.g. 2TiB, 768GiB or 1152GB, or 'local' for this machine's "
                         "(default: the catalog's cloud instance with these GPUs, printed with the report)")
+
+
+def add_cache_arg(p: argparse.ArgumentParser) -> None:
+    """``--no-cache``: trace anew, without reading or writing the trace cache."""
+    p.add_argument("--no-cache", action="store_true",
+                   help="trace anew: neither read nor write the trace cache (kept in $LLMEM_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/llmem or ~/.cache/llmem; LLMEM_NO_CACHE=1 turns it off too)")
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import sys
 
 from llmem_plugin.cli.config import add_config_args, emit_json, show_recipe
 from llmem_plugin.cli.options import (
+    add_cache_arg,
     EFFICIENCY,
     EXIT_WONT_FIT,
     GLOBAL_BATCH,
@@ -52,6 +53,7 @@ def plan_parser(sub) -> None:
     g.add_argument("--gpus", type=GPUS, default=None, help="GPUs over all nodes (default: this machine's)")
     g.add_argument("--nodes", type=NODES, default=1, help="nodes (default 1)")
     add_host_arg(g)
+    add_cache_arg(g)
     add_gpu_args(p)
     g = p.add_argument_group("search", "what the planner tries; a pinned setting is not searched")
     g.add_argument("--margin", type=MARGIN, default=None,

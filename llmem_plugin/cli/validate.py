@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from llmem_plugin.cli.options import add_cache_arg
+
 __all__ = ["validate_command", "validate_parser"]
 
 
@@ -18,6 +20,7 @@ def validate_parser(sub) -> None:
                         "of a source checkout) and print the signed error per metric")
     p.add_argument("--gpu", default=None, help="predict CUDA rows for this catalog GPU instead of each row's own")
     p.add_argument("--fast", action="store_true", help="predict with the layer-extrapolating fast mode")
+    add_cache_arg(p)
     p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     p.set_defaults(func=validate_command)
 

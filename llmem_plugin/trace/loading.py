@@ -52,7 +52,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["LOADED_MARK", "direct_only", "has_transients", "load_trace", "place_weights", "splice"]
+__all__ = ["LOADED_MARK", "direct_only", "direct_only_active", "has_transients", "load_trace", "place_weights",
+           "splice"]
 
 # The trace mark at the end of the setup phase, once every weight is in place
 # (its key in TraceResult.marks is "loaded:setup"): where a step's trace and a
@@ -73,6 +74,11 @@ def direct_only() -> Iterator[None]:
         yield
     finally:
         _direct_only.pop()
+
+
+def direct_only_active() -> bool:
+    """Whether :func:`direct_only` is in force (it changes what a trace records)."""
+    return _direct_only[-1]
 
 
 def has_transients(workload) -> bool:
