@@ -7,7 +7,8 @@ cache directory, named by a SHA-256 key over:
 
 * what the caller traced (the model's config as JSON, the workload, the GPU,
   the allocator settings, the device overheads, fast mode, ...);
-* the global switches a trace reads (SDPA's backend flags);
+* the global switches a trace reads (SDPA's backend flags, and the
+  environment variables in :data:`_TRACE_ENV`);
 * the versions of the libraries whose code runs in the trace (torch,
   transformers, peft, bitsandbytes, torchao, litgpt, accelerate) and of
   Python;
@@ -56,6 +57,8 @@ DEFAULT_MAX_BYTES = 2 << 30
 _MAGIC = b"LLMEM-TRACE-1\n"
 # Libraries whose code runs inside a trace: their versions are part of every key.
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "litgpt", "accelerate")
+# Environment variables a trace reads (llmem_plugin/trace/emulation/sdpa.py: torch's SDPA backend order).
+_TRACE_ENV = ("TORCH_CUDNN_SDPA_DEPRIORITIZED",)
 
 _disabled = [False]
 
@@ -100,7 +103,8 @@ def default_cache() -> TraceCache | None:
 def make_key(kind: str, parts: dict[str, Any]) -> str:
     """The SHA-256 key of a trace: ``kind``, the caller's ``parts``, the SDPA switches, the library
     versions and this package's code (see the module docstring)."""
-    payload = {"kind": kind, "parts": parts, "sdpa": _sdpa_switches(), "env": _environment()}
+    payload = {"kind": kind, "parts": parts, "sdpa": _sdpa_switches(), "env": _environment(),
+               "variables": {name: os.environ.get(name) for name in _TRACE_ENV}}
     text = json.dumps(payload, sort_keys=True, default=_plain, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
