@@ -101,6 +101,11 @@ class Estimate:
             extrapolated the allocator's peaks (its notes say so).
         fast: Whether fast mode (shortened traces, the full stream built
             from them) produced this.
+        trace_path: How the step's stream was obtained: ``full`` (the whole
+            model traced), ``synthesized`` (built from two shortened copies,
+            :mod:`llmem_plugin.trace.fastsynth`; the default where exact and
+            cheaper) or ``extrapolated`` (fast mode's per-layer peaks where the
+            stream could not be built).
         seconds: Wall time the estimate took.
         alloc_retries: Times the simulated allocator, at this capacity, freed
             its cached blocks and retried a ``cudaMalloc``
@@ -132,6 +137,7 @@ class Estimate:
     timeline: list[tuple[int, Phase, int]] = field(repr=False)
     fast: bool
     seconds: float
+    trace_path: str = "full"
     memory_timeline: list[tuple[int, str, int, int]] = field(default_factory=list, repr=False)
     # Paged optimizer states in CUDA managed memory (llmem_plugin.techniques.optim): in
     # device_total_bytes while resident, not in allocated/reserved, and not in
@@ -232,6 +238,7 @@ class Estimate:
             "phase_peaks": {p.value: v for p, v in self.phase_peaks.items()},
             "timeline": [[i, p.value, v] for i, p, v in self.timeline],
             "fast": self.fast,
+            "trace_path": self.trace_path,
             "seconds": round(self.seconds, 4),
             "memory_timeline": [list(point) for point in self.memory_timeline],
             "paged_bytes": self.paged_bytes,
@@ -705,6 +712,7 @@ def estimate(
     workload: Workload | None = None,
     *,
     fast: bool = False,
+    full: bool = False,
     gpu: GPU | str | None = None,
     gpu_memory: int | str | None = None,
     alloc_conf: AllocatorConfig | str | None = None,
@@ -713,6 +721,12 @@ def estimate(
     **workload_fields: Any,
 ) -> Estimate:
     """Trace a fine-tuning step of ``model`` under fake tensors and report its peak.
+
+    By default (neither ``fast`` nor ``full``) the step's event stream is built
+    from two shortened copies of the model where that is exact and cheaper
+    (:mod:`llmem_plugin.trace.fastsynth`: the copies together hold fewer layers
+    than the model, and the stream can be built), else the whole model is
+    traced; ``Estimate.trace_path`` says which.
 
     Args:
         model: Catalog name, config.json path, cached Hub id,
@@ -730,6 +744,7 @@ def estimate(
             says why), the allocator's peaks are extrapolated per layer
             too, and within ``FAST_VERDICT_BAND`` of the capacity the full
             trace runs instead (``Estimate.fast`` is then False).
+        full: Trace the whole model, never a shortened copy.
         gpu: Catalog GPU (name or :class:`GPU`); default H100 SXM. Sets the
             kernel choices emulated, the workspace sizes and the capacity.
         gpu_memory: Capacity overriding the catalog's: bytes (an int of at
@@ -757,8 +772,11 @@ def estimate(
     inputs = _resolve_inputs(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory, alloc_conf=alloc_conf,
                              host_memory=host_memory)
     inputs = dataclasses.replace(inputs, alloc_config=inputs.alloc_config.for_torch(torch_version))
+    if fast and full:
+        raise ConfigError("fast and full both set: fast mode traces shortened copies, full the whole model. "
+                          "HINT: pass one of --fast and --full")
     built = _build(model, inputs, torch_version=torch_version)
-    traced = _trace_model(model, inputs, built, fast=fast)
+    traced = _trace_model(model, inputs, built, mode="fast" if fast else "full" if full else "auto")
     replayed = _replay(traced, inputs, built)
     return _assemble(model, inputs, built, traced, replayed, seconds=time.perf_counter() - t0)
 
@@ -842,6 +860,7 @@ class _Traced:
             per layer where the full event stream could not be built (the
             trace is then not replayed); None otherwise.
         notes: Lines on what fast mode and the accumulation window did.
+        path: ``Estimate.trace_path``.
     """
 
     result: TraceResult
@@ -849,9 +868,10 @@ class _Traced:
     host_peak_bytes: int
     extrapolated: tuple[AllocatorResult, bool] | None = None
     notes: tuple[str, ...] = ()
+    path: str = "full"
 
 
-def _trace_model(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _Traced:
+def _trace_model(model: Any, inputs: _Inputs, built: _Built, *, mode: str) -> _Traced:
     """Step 3: the step of the built model under fake tensors, a long
     accumulation window shortened where it repeats (:func:`_steady_trace`);
     with ``fast``, built from two shortened copies instead where it can be
@@ -860,18 +880,18 @@ def _trace_model(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _
     from llmem_plugin.trace.cache import default_cache
 
     cache = default_cache()
-    key = _trace_key(model, inputs, built, fast=fast) if cache is not None else None
+    key = _trace_key(model, inputs, built, mode=mode) if cache is not None else None
     hit = cache.get(key) if key is not None else None
     if isinstance(hit, _Traced):
         return dataclasses.replace(hit, notes=hit.notes + (
             f"the step's trace was read from the trace cache ({cache.root}); --no-cache traces it anew",))
-    traced = _trace_model_uncached(model, inputs, built, fast=fast)
+    traced = _trace_model_uncached(model, inputs, built, mode=mode)
     if key is not None:
         cache.put(key, traced)
     return traced
 
 
-def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> str | None:
+def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, mode: str) -> str | None:
     """The trace cache's key for this step, or None where no config names the model (a module given
     as such, a config without a JSON form)."""
     if isinstance(model, nn.Module) or not hasattr(built.config, "to_json_string"):
@@ -885,12 +905,14 @@ def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> str
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "config": built.config.to_json_string(use_diff=False),
         "workload": inputs.workload, "gpu": inputs.gpu, "alloc": inputs.alloc_config, "overheads": built.overheads,
-        "fast": fast, "direct_only": loading.direct_only_active(),
+        "mode": mode, "direct_only": loading.direct_only_active(),
     })
 
 
-def _trace_model_uncached(model: Any, inputs: _Inputs, built: _Built, *, fast: bool) -> _Traced:
-    """:func:`_trace_model` without the cache."""
+def _trace_model_uncached(model: Any, inputs: _Inputs, built: _Built, *, mode: str) -> _Traced:
+    """:func:`_trace_model` without the cache. ``mode``: ``fast`` (shortened copies; where the stream
+    cannot be built, extrapolated peaks), ``auto`` (shortened copies only where the built stream is
+    exact and they trace fewer layers than the model; else the whole model) or ``full``."""
     notes: list[str] = []  # fast mode's lines
     accum_notes: list[str] = []  # the accumulation window's, one per trace
 
@@ -900,25 +922,36 @@ def _trace_model_uncached(model: Any, inputs: _Inputs, built: _Built, *, fast: b
 
     from llmem_plugin.models.config import is_litgpt_source
 
-    if fast and is_litgpt_source(model):  # fast mode builds shortened transformers configs
-        fast = False
-        notes.append("fast mode does not apply to a litgpt model: its step was traced in full")
-    traced = _fast_trace(model, inputs, built, trace, notes) if fast and not isinstance(model, nn.Module) else None
+    if mode != "full" and is_litgpt_source(model):  # fast mode builds shortened transformers configs
+        if mode == "fast":
+            notes.append("fast mode does not apply to a litgpt model: its step was traced in full")
+        mode = "full"
+    traced = None
+    if mode != "full" and not isinstance(model, nn.Module):
+        traced = _fast_trace(model, inputs, built, trace, notes, exact_only=mode == "auto")
+        if mode == "auto":  # the shortened copies were not asked for: their fallback lines are not news
+            notes.clear()
     if traced is None:
         result = trace(built.model, inputs.workload)
         traced = _Traced(result=result, fast=False, host_peak_bytes=result.host_peak_bytes)
     return dataclasses.replace(traced, notes=tuple(notes) + tuple(dict.fromkeys(accum_notes)))
 
 
-def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: list[str]) -> _Traced | None:
+def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: list[str], *,
+                exact_only: bool = False) -> _Traced | None:
     """Fast mode: the full step's event stream built from two shortened
     copies (:mod:`llmem_plugin.trace.fastsynth`); where it cannot be built,
     the allocator's peaks extrapolated per layer, unless the verdict is within
     :data:`FAST_VERDICT_BAND` of the capacity. Appends its lines to ``notes``.
 
+    With ``exact_only`` (the default path of :func:`estimate`), only a built
+    stream is taken, and only from copies that together hold fewer layers
+    than the model.
+
     Returns:
         The traced step, or None where the full trace is to run instead
-        (layer kinds unknown, or a verdict too close to call).
+        (layer kinds unknown, or a verdict too close to call; with
+        ``exact_only``, no cheaper copies or no built stream).
     """
     from llmem_plugin.trace import loading
     from llmem_plugin.trace.fast import extrapolated_trace
@@ -928,7 +961,7 @@ def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: l
     splice_setup = loading.has_transients(wl)  # the copies load directly; the full model's setup is spliced in
     with loading.direct_only() if splice_setup else contextlib.nullcontext():
         ext = extrapolated_trace(model, wl, depth=built.num_layers, trace=lambda m, w: trace(m, w, tag_layers=True),
-                                 trace_full=trace)
+                                 trace_full=trace, cheaper_only=exact_only)
     result = ext.result
     notes.extend([ext.note] if ext.note else [])
     if result is None:  # layer kinds unknown: the full trace
@@ -943,7 +976,7 @@ def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: l
                 result = loading.splice(loading.load_trace(modelbuild.build_model(model, wl, device="meta"), wl),
                                         result)
         except SynthesisError as e:
-            if splice_setup:
+            if splice_setup or exact_only:
                 # Extrapolated peaks leave the setup phase out, and it can be the peak (torchao's to_nf4,
                 # an fp32 cast): a verdict on the step alone could say "fits" wrongly. The full trace decides.
                 return None
@@ -957,8 +990,9 @@ def _fast_trace(model: Any, inputs: _Inputs, built: _Built, trace: Any, notes: l
             notes.append(f"fast mode extrapolated the allocator's peaks per layer, as the full event "
                          f"stream could not be built ({e}): reserved may be off by up to "
                          f"{FAST_VERDICT_BAND:.0%}; drop --fast for the exact figure")
+    path = "extrapolated" if extrapolated is not None else "synthesized" if ext.short is not None else "full"
     return _Traced(result=result, fast=True, host_peak_bytes=ext.extrapolate(lambda r: r.host_peak_bytes),
-                   extrapolated=extrapolated)
+                   extrapolated=extrapolated, path=path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1017,6 +1051,7 @@ def _assemble(model: Any, inputs: _Inputs, built: _Built, traced: _Traced, repla
         phase_peaks=result.phase_peaks,
         timeline=replayed.timeline,
         fast=traced.fast,
+        trace_path=traced.path,
         seconds=seconds,
         memory_timeline=replayed.memory_timeline,
         paged_bytes=built.paged_bytes,

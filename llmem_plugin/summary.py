@@ -29,6 +29,10 @@ __all__ = [
 
 _GIB = 1024**3  # sizes are printed in GiB (2^30 bytes) and labelled so
 
+# How Estimate.trace_path is printed at the end of the report.
+_TRACE_PATHS = {"full": "full trace", "synthesized": "synthesized from shortened copies (exact)",
+                "extrapolated": "fast (layer-extrapolated peaks)"}
+
 
 def gib(nbytes: int) -> str:
     """``nbytes`` as GiB with two decimals."""
@@ -221,7 +225,7 @@ def render_estimate(est, console: Console) -> None:
         console.print(f"setup ({load_path(wl)}): {gib(est.setup_allocated_bytes)} GiB allocated, "
                       f"{gib(est.setup_reserved_bytes)} GiB reserved before step 1; the peaks above include it")
     phases = ", ".join(f"{p.value} {gib(v)}" for p, v in est.phase_peaks.items() if p is not Phase.SETUP)
-    mode = "fast (layer-extrapolated)" if est.fast else "full trace"
+    mode = _TRACE_PATHS.get(est.trace_path, est.trace_path)
     console.print(f"per-phase peaks (GiB): {phases}")
     for note in est.notes:
         console.print(f"note: {note}", markup=False)  # notes quote TOML sections, "[parallelism]"

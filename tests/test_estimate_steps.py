@@ -24,12 +24,12 @@ steps = importlib.import_module("llmem_plugin.estimate")  # the package's `estim
 GIB = 2**30
 
 
-def _run_steps(model, fields, *, fast=False, seconds=0.0, **options):
+def _run_steps(model, fields, *, fast=False, full=False, seconds=0.0, **options):
     """Each step of estimate() in its order; the Estimate and every step's result."""
     inputs = steps._resolve_inputs(model, None, fields, gpu=options.get("gpu"), gpu_memory=options.get("gpu_memory"),
                                    alloc_conf=options.get("alloc_conf"), host_memory=options.get("host_memory"))
     built = steps._build(model, inputs, torch_version=None)
-    traced = steps._trace_model(model, inputs, built, fast=fast)
+    traced = steps._trace_model(model, inputs, built, mode="fast" if fast else "full" if full else "auto")
     replayed = steps._replay(traced, inputs, built)
     est = steps._assemble(model, inputs, built, traced, replayed, seconds=seconds)
     return est, inputs, built, traced, replayed
@@ -114,7 +114,7 @@ def test_trace_model_shortens_a_long_window_and_says_so():
 
 def test_fast_trace_builds_the_full_traces_stream():
     cfg = tiny_config("llama", num_hidden_layers=6)
-    _, _, _, full, _ = _run_steps(cfg, {"seq_len": 32})
+    _, _, _, full, _ = _run_steps(cfg, {"seq_len": 32}, full=True)
     _, _, _, fast, _ = _run_steps(cfg, {"seq_len": 32}, fast=True)
     assert fast.fast and not full.fast and fast.extrapolated is None
     assert fast.result.peak_bytes == full.result.peak_bytes

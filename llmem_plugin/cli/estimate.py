@@ -71,6 +71,9 @@ def estimate_parser(sub) -> None:
                         "counts such as 8,9,8,7")
     g = p.add_argument_group("output")
     g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    g.add_argument("--full", action="store_true",
+                   help="trace the whole model (default: on one GPU, the step's stream is built from two "
+                        "shortened copies where that is exact and cheaper; the report names the path)")
     add_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
@@ -109,7 +112,7 @@ def estimate_command(args: argparse.Namespace) -> int:
                           "--seq-lens (the sample lengths), or drop --steps")
     if args.seq_lens is not None:
         return _varlen_command(args, gpu, wl)
-    est = estimate(args.model, wl, fast=args.fast, gpu=gpu, alloc_conf=args.alloc_conf,
+    est = estimate(args.model, wl, fast=args.fast, full=args.full, gpu=gpu, alloc_conf=args.alloc_conf,
                    torch_version=args.torch_version, host_memory=args.host_memory)
     if args.plot:
         from llmem_plugin.cli.plot import plot_estimate

@@ -93,7 +93,7 @@ def fallback_note(reason: str) -> str:
 
 def extrapolated_trace(
     source: Any, workload: Workload, *, depth: int, trace: Callable[[Any, Workload], TraceResult],
-    trace_full: Callable[[Any, Workload], TraceResult] | None = None,
+    trace_full: Callable[[Any, Workload], TraceResult] | None = None, cheaper_only: bool = False,
 ) -> Extrapolation:
     """Peak of the ``depth``-layer model, from traces of two shortened copies.
 
@@ -104,6 +104,11 @@ def extrapolated_trace(
         trace: Traces a built meta model (``estimate._trace``).
         trace_full: Traces the model itself where no shorter copy exists
             (default: ``trace``; the copies may need more, e.g. layer tags).
+        cheaper_only: Trace the copies only where together they hold fewer
+            layers than the model, and never the model itself (else no trace,
+            no note: the caller traces the model, which costs less; e.g.
+            Jamba's 8-layer period in 32 layers, whose copies took 116 s
+            where the model took 80 s, benchmarks/results/fast-vs-full-2026-11-27.jsonl).
 
     Returns:
         The :class:`Extrapolation`; its result's timeline and event list are
@@ -121,11 +126,15 @@ def extrapolated_trace(
     # their own (modelbuild checkpoints a copy's layers by their position).
     plan = plan_layers([(kind, i % k == k - 1) for i, kind in enumerate(kinds)] if k > 1 else kinds)
     if plan is None:
+        if cheaper_only:  # no shorter copy: the caller traces the model
+            return Extrapolation(None)
         return Extrapolation((trace_full or trace)(modelbuild.build_model(config, workload), workload))
     for n in (plan.traced, plan.traced + 1):
         if any((j % k == k - 1) != (i % k == k - 1) for j, i in enumerate(plan.indices(n))):
             return Extrapolation(None, note=fallback_note(f"a {len(plan.indices(n))}-layer copy would checkpoint "
                                                           f"other layers than every {k}-th of the model"))
+    if cheaper_only and plan.short_layers + plan.long_layers >= depth:
+        return Extrapolation(None)
     try:
         c1 = shortened_config(config, plan.indices(plan.traced), kinds)
         c2 = shortened_config(config, plan.indices(plan.traced + 1), kinds)

@@ -47,7 +47,7 @@ MATRIX = [
 def test_fast_equals_full(arch, wl):
     # 9 layers: the copies hold 3 and 4 (layerkinds._units_traced), so 5 are extrapolated.
     cfg = tiny_config(arch, **{"n_layer" if arch == "gpt2" else "num_hidden_layers": 9})
-    full = llmem_plugin.estimate(cfg, wl)
+    full = llmem_plugin.estimate(cfg, wl, full=True)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
     assert fast.fast and not full.fast and not any(n.startswith("fast mode") for n in fast.notes)
     # The full event stream is built and replayed (llmem_plugin.trace.fastsynth): the
@@ -62,7 +62,7 @@ def test_fast_equals_full_with_alternating_layers(gc):
     cfg = gemma2(13)
     assert layer_period(cfg) == 2
     wl = Workload(seq_len=64, micro_batch_size=1, precision="bf16-mixed", grad_checkpointing=gc)
-    full = llmem_plugin.estimate(cfg, wl)
+    full = llmem_plugin.estimate(cfg, wl, full=True)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
     assert fast.fast and not fast.notes
     same(fast, full)
@@ -80,8 +80,8 @@ def test_fast_verdict_is_the_full_traces_at_any_capacity(factor):
     # (estimate.simulate_trace), and the verdict and peaks are the full trace's.
     cfg = tiny_config("llama", num_hidden_layers=9)
     wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
-    need = llmem_plugin.estimate(cfg, wl).device_total_bytes
-    full = llmem_plugin.estimate(cfg, wl, gpu_memory=int(factor * need))
+    need = llmem_plugin.estimate(cfg, wl, full=True).device_total_bytes
+    full = llmem_plugin.estimate(cfg, wl, full=True, gpu_memory=int(factor * need))
     fast = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=int(factor * need))
     assert fast.fast
     same(fast, full)
@@ -97,7 +97,7 @@ def test_fast_falls_back_to_extrapolation_when_the_stream_cannot_be_built(monkey
     monkeypatch.setattr(fastsynth, "full_depth_trace", broken)
     cfg = tiny_config("llama", num_hidden_layers=9)
     wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
-    full = llmem_plugin.estimate(cfg, wl)
+    full = llmem_plugin.estimate(cfg, wl, full=True)
     roomy = llmem_plugin.estimate(cfg, wl, fast=True, gpu_memory=2 * full.device_total_bytes)
     assert roomy.fast and roomy.fits
     assert any("could not be built (test)" in n for n in roomy.notes)
@@ -211,7 +211,7 @@ CASES = {
 def test_fast_equals_full_where_layers_differ(name):
     make, wl = CASES[name]
     cfg = make()
-    full = llmem_plugin.estimate(cfg, wl)
+    full = llmem_plugin.estimate(cfg, wl, full=True)
     fast = llmem_plugin.estimate(cfg, wl, fast=True)
     assert fast.fast and not any(n.startswith("fast mode") for n in fast.notes)
     same(fast, full)
@@ -227,7 +227,7 @@ def test_unknown_layer_kinds_fall_back_to_the_full_trace():
     assert not est.fast
     (note,) = [n for n in est.notes if n.startswith("fast mode")]
     assert "per_layer_scale" in note and "full model" in note
-    full = llmem_plugin.estimate(cfg, wl)
+    full = llmem_plugin.estimate(cfg, wl, full=True)
     assert est.peak_reserved_bytes == full.peak_reserved_bytes
 
 
@@ -258,3 +258,30 @@ def test_method_fast_mode_builds_mamba():
     wl = Workload(seq_len=64, micro_batch_size=1, precision="bf16")
     est = estimate_method("ddp", mamba(), wl, fast=True, layout=Layout(num_gpus=2), gpu="h100-sxm")
     assert est.worst.peak_allocated_bytes > 0
+
+
+def test_the_default_path_is_the_built_stream_where_exact_and_cheaper(monkeypatch):
+    """By default (no --fast, no --full) the stream is built from the shortened copies where they hold fewer layers
+    than the model: the full trace's figures, and the report names the path. Where the stream cannot be built the
+    whole model is traced (never fast mode's extrapolated peaks), without fast mode's lines."""
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
+    deep = tiny_config("llama", num_hidden_layers=9)  # copies of 3 and 4 layers: 7 < 9
+    auto, full = llmem_plugin.estimate(deep, wl), llmem_plugin.estimate(deep, wl, full=True)
+    assert (auto.trace_path, full.trace_path) == ("synthesized", "full")
+    same(auto, full)
+    assert auto.breakdown == full.breakdown and auto.phase_peaks == full.phase_peaks
+    assert auto.to_dict()["trace_path"] == "synthesized"
+    shallow = llmem_plugin.estimate(tiny_config("llama", num_hidden_layers=6), wl)  # 3 + 4 >= 6: the model costs less
+    assert shallow.trace_path == "full" and not shallow.fast
+
+    from llmem_plugin.trace import fastsynth
+
+    def broken(*args, **kwargs):
+        raise fastsynth.SynthesisError("test")
+
+    monkeypatch.setattr(fastsynth, "full_depth_trace", broken)
+    fallback = llmem_plugin.estimate(deep, wl)
+    assert fallback.trace_path == "full" and not fallback.notes
+    same(fallback, full)
+    with pytest.raises(llmem_plugin.ConfigError, match="--fast and --full"):
+        llmem_plugin.estimate(deep, wl, fast=True, full=True)
