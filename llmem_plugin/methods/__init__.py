@@ -111,12 +111,53 @@ def estimate_method(
             f"--method {name} traces every micro-step of the accumulation window, and grad_accum_steps "
             f"{workload.grad_accum_steps} is above {MAX_TRACED_MICRO_STEPS}. HINT: estimate it with --grad-accum "
             f"{MAX_TRACED_MICRO_STEPS} or fewer, or with --method single")
-    module = importlib.import_module(f"llmem_plugin.methods.{_MODULES[mod]}")
-    fn = module.estimate
     if not isinstance(gpu, GPU):
         from llmem_plugin.estimate import _resolve_gpu
 
         gpu = _resolve_gpu(gpu, None)  # a catalog name (or None: the default GPU)
+    from llmem_plugin.trace.cache import default_cache
+
+    cache = default_cache()
+    key = _method_key(name, model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf,
+                      torch_version=torch_version, fast=fast, stream_synthesis=stream_synthesis,
+                      options=options) if cache is not None else None
+    hit = cache.get(key) if key is not None else None
+    if isinstance(hit, MethodEstimate):
+        return hit
+    est = _estimate_method(mod, settings, name, model, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf,
+                           torch_version=torch_version, fast=fast, stream_synthesis=stream_synthesis, **options)
+    if key is not None:
+        cache.put(key, est)
+    return est
+
+
+def _method_key(name: str, model: Any, workload: Any, **parts: Any) -> str | None:
+    """The trace cache's key for a method's estimate, or None where no config names the model (a module)."""
+    import os
+
+    from llmem_plugin.trace import loading
+    from llmem_plugin.trace.cache import make_key
+
+    if isinstance(model, nn.Module):
+        return None
+    from llmem_plugin.models.config import resolve_config
+
+    try:
+        config = resolve_config(model).to_json_string(use_diff=False)
+    except Exception:  # not a transformers config (litgpt, ...): no cache, the method says what it refuses
+        return None
+    return make_key("method", {"name": name, "source": model if isinstance(model, (str, os.PathLike)) else None,
+                               "config": config, "workload": workload, **parts,
+                               "alloc_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                               "direct_only": loading.direct_only_active()})
+
+
+def _estimate_method(mod: str, settings: dict[str, Any], name: str, model: Any, workload: Any, *, layout: Layout,
+                     gpu: GPU, alloc_conf: Any, torch_version: str | None, fast: bool, stream_synthesis: bool,
+                     **options: Any) -> MethodEstimate:
+    """:func:`estimate_method` without the cache."""
+    module = importlib.import_module(f"llmem_plugin.methods.{_MODULES[mod]}")
+    fn = module.estimate
 
     def run(source: Any) -> MethodEstimate:
         return fn(source, workload, layout=layout, gpu=gpu, alloc_conf=alloc_conf, torch_version=torch_version,

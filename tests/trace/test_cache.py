@@ -153,3 +153,24 @@ def test_no_cache_neither_reads_nor_writes(on, traces, capsys):
     assert code == 0 and len(_entries(on)) == 1 and len(traces) == 2
     code, out, _ = run(capsys, *args, "--no-cache")
     assert code == 0 and len(traces) == 3 and "trace cache" not in out
+
+
+def test_a_methods_estimate_is_read_back_for_the_same_layout_only(on, monkeypatch):
+    import llmem_plugin.methods as methods
+    from llmem_plugin.methods.layout import Layout
+    from llmem_plugin.workload import Workload
+
+    calls: list[str] = []
+    real = methods._estimate_method
+
+    def counted(mod, settings, name, *args, **kwargs):
+        calls.append(name)
+        return real(mod, settings, name, *args, **kwargs)
+
+    monkeypatch.setattr(methods, "_estimate_method", counted)
+    cfg, wl = tiny_config("llama"), Workload(seq_len=32, micro_batch_size=2, precision="bf16-mixed")
+    first = methods.estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
+    again = methods.estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
+    assert calls == ["ddp"] and again.to_dict() == first.to_dict()
+    methods.estimate_method("ddp", cfg, wl, layout=Layout(num_gpus=4), gpu="h100-sxm")
+    assert calls == ["ddp", "ddp"]
