@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from llmem_plugin.device.versions import torch_minor
 from llmem_plugin.errors import ConfigError
 
 __all__ = [
@@ -145,7 +146,7 @@ class AllocatorConfig:
         not measured: it is taken as 2.11, the release before the counter."""
         import dataclasses
 
-        return dataclasses.replace(self, large_segments_descend=_torch_minor(torch_version) < (2, 13))
+        return dataclasses.replace(self, large_segments_descend=torch_minor(torch_version) < (2, 13))
 
     @classmethod
     def from_env(cls, text: str | None = None) -> AllocatorConfig:
@@ -167,20 +168,6 @@ class AllocatorConfig:
                 continue
             kw.update(_parse_option(key, value))
         return cls(**kw)
-
-
-def _torch_minor(text: str | None) -> tuple[int, int]:
-    if text is not None:  # a user's value: a version inside the modelled range
-        from llmem_plugin.device.versions import check_torch_version
-
-        return check_torch_version(text, name="torch_version")
-    import re
-
-    import torch
-
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    assert m, f"unparseable installed torch version {torch.__version__!r}"
-    return int(m.group(1)), int(m.group(2))
 
 
 def _split_options(text: str) -> list[tuple[str, str]]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmem_plugin.device.versions import torch_minor
+
 __all__ = [
     "DeviceOverheads",
     "cublas_workspace_bytes",
@@ -77,16 +79,6 @@ _NCCL_PER_CONNECTION = (1 << 22) + 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8
 DEFAULT_NCCL_CHANNELS = 16
 
 
-def _version(text: str | None) -> tuple[int, int]:
-    if text is not None:  # a user's value: a version inside the modelled range
-        from llmem_plugin.device.versions import check_torch_version
-
-        return check_torch_version(text, name="torch_version")
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    assert m, f"unparseable installed torch version {torch.__version__!r}"
-    return int(m.group(1)), int(m.group(2))
-
-
 def cublas_workspace_bytes(
     compute_capability: tuple[int, int], torch_version: str | None = None, *, env: str | None = None
 ) -> int:
@@ -105,7 +97,7 @@ def cublas_workspace_bytes(
         if pairs:  # unmatched text: torch warns and uses the default
             return sum(int(size) * 1024 * int(count) for size, count in pairs)
     major, minor = compute_capability
-    large = (major, minor) == (9, 0) if _version(torch_version) < (2, 12) else major in (9, 10, 12)
+    large = (major, minor) == (9, 0) if torch_minor(torch_version) < (2, 12) else major in (9, 10, 12)
     return _CUBLAS_LARGE if large else _CUBLAS_DEFAULT
 
 
@@ -168,7 +160,7 @@ def device_overheads(
             cuBLASLt path, native/cuda/Blas.cpp isInputCompliesAddmmCudaLt).
         nccl_world_sizes: Size of each NCCL communicator this rank joins.
     """
-    v = _version(torch_version)
+    v = torch_minor(torch_version)
     lt = _CUBLASLT_DEFAULT if uses_cublaslt and (2, 10) <= v < (2, 12) else 0
     return DeviceOverheads(
         cuda_context_bytes=CUDA_CONTEXT_BYTES,

@@ -8,7 +8,7 @@ import re
 
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["TORCH_VERSIONS_MODELLED", "check_torch_version"]
+__all__ = ["TORCH_VERSIONS_MODELLED", "check_torch_version", "torch_minor"]
 
 # pyproject's floor (torch>=2.6) to the installed line read for the allocator
 # and workspaces (docs/allocator.md: cuBLAS workspace rows cover 2.6 to 2.13).
@@ -33,3 +33,15 @@ def check_torch_version(text: str, *, name: str = "--torch-version") -> tuple[in
         raise ConfigError(f"{name} {text} is outside the modelled range {low} to {high}: its allocator "
                           f"and workspace sizes are not modelled. HINT: pass a version from {low} to {high}")
     return version
+
+
+def torch_minor(text: str | None) -> tuple[int, int]:
+    """``(major, minor)`` of the torch the job runs: ``text`` checked as :func:`check_torch_version`
+    checks a user's value (``torch_version``), or the installed torch's where None."""
+    if text is not None:
+        return check_torch_version(text, name="torch_version")
+    import torch
+
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    assert m, f"unparseable installed torch version {torch.__version__!r}"
+    return int(m.group(1)), int(m.group(2))
