@@ -896,7 +896,6 @@ def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, mode: str) -> str 
     as such, a config without a JSON form)."""
     if isinstance(model, nn.Module) or not hasattr(built.config, "to_json_string"):
         return None
-    from llmem_plugin.trace import loading
     from llmem_plugin.trace.cache import make_key
 
     cls = type(built.model)
@@ -905,7 +904,7 @@ def _trace_key(model: Any, inputs: _Inputs, built: _Built, *, mode: str) -> str 
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "config": built.config.to_json_string(use_diff=False),
         "workload": inputs.workload, "gpu": inputs.gpu, "alloc": inputs.alloc_config, "overheads": built.overheads,
-        "mode": mode, "direct_only": loading.direct_only_active(),
+        "mode": mode,
     })
 
 

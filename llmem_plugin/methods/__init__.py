@@ -135,7 +135,6 @@ def _method_key(name: str, model: Any, workload: Any, **parts: Any) -> str | Non
     """The trace cache's key for a method's estimate, or None where no config names the model (a module)."""
     import os
 
-    from llmem_plugin.trace import loading
     from llmem_plugin.trace.cache import make_key
 
     if isinstance(model, nn.Module):
@@ -148,8 +147,7 @@ def _method_key(name: str, model: Any, workload: Any, **parts: Any) -> str | Non
         return None
     return make_key("method", {"name": name, "source": model if isinstance(model, (str, os.PathLike)) else None,
                                "config": config, "workload": workload, **parts,
-                               "alloc_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                               "direct_only": loading.direct_only_active()})
+                               "alloc_env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
 
 
 def _estimate_method(mod: str, settings: dict[str, Any], name: str, model: Any, workload: Any, *, layout: Layout,

@@ -7,8 +7,9 @@ cache directory, named by a SHA-256 key over:
 
 * what the caller traced (the model's config as JSON, the workload, the GPU,
   the allocator settings, the device overheads, fast mode, ...);
-* the global switches a trace reads (SDPA's backend flags, and the
-  environment variables in :data:`_TRACE_ENV`);
+* the global switches a trace reads (SDPA's backend flags,
+  :func:`llmem_plugin.trace.loading.direct_only`, and the environment
+  variables in :data:`_TRACE_ENV`);
 * the versions of the libraries whose code runs in the trace (torch,
   transformers, peft, bitsandbytes, torchao, litgpt, accelerate) and of
   Python;
@@ -103,8 +104,11 @@ def default_cache() -> TraceCache | None:
 def make_key(kind: str, parts: dict[str, Any]) -> str:
     """The SHA-256 key of a trace: ``kind``, the caller's ``parts``, the SDPA switches, the library
     versions and this package's code (see the module docstring)."""
+    from llmem_plugin.trace.loading import direct_only_active
+
     payload = {"kind": kind, "parts": parts, "sdpa": _sdpa_switches(), "env": _environment(),
-               "variables": {name: os.environ.get(name) for name in _TRACE_ENV}}
+               "variables": {name: os.environ.get(name) for name in _TRACE_ENV},
+               "direct_only": direct_only_active()}
     text = json.dumps(payload, sort_keys=True, default=_plain, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -71,3 +71,10 @@ def test_a_tie_between_equal_free_segments(descend, takes):
     alloc.free(newer)
     assert alloc.malloc(size) == {"older": older, "newer": newer}[takes]
     assert alloc.stats.reserved == 2 * size
+
+
+@pytest.mark.parametrize("version,descend", [("2.11.0", True), ("2.12.1", True), ("2.13.0", False)])
+def test_the_tie_break_follows_the_jobs_torch(version, descend):
+    """BlockComparatorSize (address) up to 2.11, taken as such for the unmeasured 2.12; the cudaMalloc
+    counter from 2.13 (pytorch#183591)."""
+    assert AllocatorConfig().for_torch(version).large_segments_descend is descend
