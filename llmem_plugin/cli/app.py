@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from collections.abc import Sequence
 
 from llmem_plugin.cli.catalog import gpus_parser, models_parser
@@ -61,16 +62,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Parses ``argv`` (``sys.argv[1:]`` if None), refuses bad options before any
     model is built, and runs the command. torch is imported only once the
-    options are valid, so ``--help`` and option errors are quick.
+    options are valid, so ``--help`` and option errors are quick. An
+    ``estimate`` or ``plan`` run before with the same options, inputs and
+    versions is answered from :mod:`~llmem_plugin.cli.resultcache` before
+    torch is imported.
 
     Returns:
         The exit code: 0, ``EXIT_BAD_INPUT`` (2) or ``EXIT_WONT_FIT`` (3);
         ``--help`` returns 0.
     """
-    from llmem_plugin.errors import LLMemError, WontFitError
+    from llmem_plugin.errors import LLMemError
 
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv, recipe = with_config(list(sys.argv[1:] if argv is None else argv))
+        argv, recipe = with_config(raw_argv)
     except LLMemError as e:  # the --config file cannot be read or mapped
         print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -79,6 +84,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or an option argparse refused (its one line is printed)
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     args.recipe = recipe
+    from llmem_plugin.cli import resultcache
+
+    try:
+        key = resultcache.result_key(raw_argv, argv, args)
+    except LLMemError as e:  # LLMEM_CACHE_SIZE is not a size
+        print(f"llmem: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if key is None:
+        return _run(args)
+    kept = resultcache.lookup(key)
+    if kept is not None:
+        return resultcache.replay(kept)
+    started = time.time()
+    with resultcache.capture() as printed:
+        code = _run(args)
+    resultcache.store(key, resultcache.Answer(printed[0], printed[1], code, started))
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Check the options and run the command; the exit code (errors printed as one line)."""
+    from llmem_plugin.errors import LLMemError, WontFitError
+
     try:
         check_args(args)
         check_config(args)

@@ -50,14 +50,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "TraceCache", "cache_dir", "default_cache", "disabled", "make_key"]
+__all__ = ["DEFAULT_MAX_BYTES", "LIBRARIES", "TraceCache", "cache_dir", "default_cache", "disabled", "make_key"]
 
 # The files' total size kept by default: a full 8B trace takes about 2 MiB, a 70B one about 20 MiB.
 DEFAULT_MAX_BYTES = 2 << 30
 # The first bytes of every entry, with the format's version: another file is a miss.
 _MAGIC = b"LLMEM-TRACE-1\n"
 # Libraries whose code runs inside a trace: their versions are part of every key.
-_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "litgpt", "accelerate")
+LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "litgpt", "accelerate")
 # Environment variables a trace reads (llmem_plugin/trace/emulation/sdpa.py: torch's SDPA backend order).
 _TRACE_ENV = ("TORCH_CUDNN_SDPA_DEPRIORITIZED",)
 
@@ -137,7 +137,7 @@ def _environment() -> dict[str, Any]:
     from importlib import metadata
 
     versions = {}
-    for name in _LIBRARIES:
+    for name in LIBRARIES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -150,7 +150,7 @@ def test_no_cache_neither_reads_nor_writes(on, traces, capsys):
     code, _, _ = run(capsys, *args, "--no-cache")
     assert code == 0 and not _entries(on) and len(traces) == 1
     code, _, _ = run(capsys, *args)
-    assert code == 0 and len(_entries(on)) == 1 and len(traces) == 2
+    assert code == 0 and len(_entries(on)) == 2 and len(traces) == 2  # the trace, and the command's answer
     code, out, _ = run(capsys, *args, "--no-cache")
     assert code == 0 and len(traces) == 3 and "trace cache" not in out
 

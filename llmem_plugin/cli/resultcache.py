@@ -1,0 +1,229 @@
+"""A repeated ``llmem estimate`` or ``llmem plan`` answered before torch is imported.
+
+The trace cache (:mod:`llmem_plugin.trace.cache`) saves the traces, but a run
+that hits it still imports torch and transformers' modeling code to build the
+model and check the options: seconds on a small machine. A command run again
+with the same options on the same inputs prints the same report, so the
+report itself is kept, under a key of everything the command reads:
+
+* the command line, before and after ``--config`` is expanded;
+* the content of every file the command line names (``--config``,
+  ``--model path``, ``--model-config``, ``--deepspeed-config``, ``--seq-lens``
+  files), and of a named folder's ``config.json``;
+* the environment variables the estimate reads (``LLMEM_*`` except the
+  cache's own, ``PYTORCH_CUDA_ALLOC_CONF``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``)
+  and those that decide how the report is drawn (``COLUMNS``, ``NO_COLOR``,
+  ``FORCE_COLOR``, ``TERM``, and whether stdout is a terminal of what width);
+* the versions of Python and of the libraries a trace runs, and a digest of
+  every file of this package (its code and its catalogs).
+
+A command whose answer depends on the machine it runs on is never kept:
+``plan`` without ``--gpus`` (it counts this machine's GPUs), ``--host-memory
+local``, a ``--model`` that is neither a catalog name, a ``litgpt:`` name nor
+an existing path (a Hub id read from the local Hub cache), and commands that
+write files (``--plot``). Only answers are kept (exit 0, or 3 for "does not
+fit"); bad input (exit 2) is refused anew every time.
+
+What is kept: stdout, the ``llmem:`` lines written to stderr (warnings, the
+"does not fit" line; not the progress lines of a long plan), and the exit
+code. A replayed answer adds one line on stderr saying so, with when it was
+computed; ``--no-cache`` or ``LLMEM_NO_CACHE=1`` computes it anew.
+
+The entries live in the trace cache's folder and share its size bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = ["Answer", "capture", "lookup", "replay", "result_key", "store"]
+
+_COMMANDS = ("estimate", "plan")
+# Variables the estimate or the report reads, beside the LLMEM_* ones.
+_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDNN_SDPA_DEPRIORITIZED", "COLUMNS", "NO_COLOR", "FORCE_COLOR", "TERM")
+# LLMEM_* variables that decide where and whether answers are kept, not what they are.
+_CACHE_ENV = ("LLMEM_CACHE_DIR", "LLMEM_CACHE_SIZE", "LLMEM_NO_CACHE")
+# A long plan's progress lines (llmem_plugin/cli/plan.py): "llmem: [12 s] ...", true of that run only.
+_PROGRESS = re.compile(r"^llmem: \[\d+ s\] ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A command's answer as printed: stdout, its ``llmem:`` stderr lines, the exit code, when computed."""
+
+    stdout: str
+    stderr: str
+    code: int
+    computed_at: float
+
+
+def result_key(raw_argv: Sequence[str], argv: Sequence[str], args) -> str | None:
+    """The key of this command's answer, or None where it is not kept (see the module docstring)."""
+    from llmem_plugin.trace.cache import default_cache
+
+    if getattr(args, "command", None) not in _COMMANDS or getattr(args, "no_cache", False):
+        return None
+    if default_cache() is None or not _machine_free(args):
+        return None
+    files = {}
+    for token in (*raw_argv, *argv):
+        value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        digest = _file_digest(value)
+        if digest is not None:
+            files[value] = digest
+    payload = {
+        "kind": "answer", "raw_argv": list(raw_argv), "argv": list(argv), "files": files,
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if (k.startswith("LLMEM_") and k not in _CACHE_ENV) or k in _ENV},
+        "tty": _terminal(), "versions": _versions(), "package": _package_digest(),
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def lookup(key: str) -> Answer | None:
+    """The answer kept under ``key``, or None."""
+    from llmem_plugin.trace.cache import default_cache
+
+    cache = default_cache()
+    value = cache.get(key) if cache is not None else None
+    return value if isinstance(value, Answer) else None
+
+
+def store(key: str, answer: Answer) -> None:
+    """Keep ``answer`` under ``key`` (only answers: exit 0 or 3)."""
+    from llmem_plugin.trace.cache import default_cache
+
+    cache = default_cache()
+    if cache is not None and answer.code in (0, 3):
+        cache.put(key, answer)
+
+
+def replay(answer: Answer) -> int:
+    """Print a kept answer as it was printed, and one line on stderr saying it was kept; its exit code."""
+    sys.stdout.write(answer.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(answer.stderr)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(answer.computed_at))
+    print(f"llmem: the same command on the same inputs and versions was answered at {when}; this is that "
+          "answer (--no-cache computes it anew)", file=sys.stderr)
+    return answer.code
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list[str]]:
+    """Copy what the block writes to stdout and stderr; yields ``[stdout, stderr]``, filled on exit.
+
+    The writes still reach the terminal as they happen. Only stderr lines that
+    start with ``llmem:`` are kept, less a plan's progress lines: third-party
+    libraries' import-time warnings are not part of the answer.
+    """
+    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    result = ["", ""]
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err
+    try:
+        yield result
+    finally:
+        sys.stdout, sys.stderr = old
+        result[0] = out.copy.getvalue()
+        lines = err.copy.getvalue().splitlines(keepends=True)
+        result[1] = "".join(line for line in lines if line.startswith("llmem:") and not _PROGRESS.match(line))
+
+
+class _Tee(io.TextIOBase):
+    """Writes go to ``stream`` and to ``copy``; a terminal stays a terminal (``isatty``)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.copy = io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.copy.write(s)
+        return self.stream.write(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self):  # rich and print read it
+        return getattr(self.stream, "encoding", "utf-8")
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def _machine_free(args) -> bool:
+    """Whether the command's answer is independent of this machine (see the module docstring)."""
+    if getattr(args, "plot", None) or getattr(args, "host_memory", None) == "local":
+        return False
+    if args.command == "plan" and getattr(args, "gpus", None) is None:
+        return False
+    model = getattr(args, "model", None)
+    if model is None:
+        return True
+    from llmem_plugin.models.catalog import lookup as catalog_lookup
+
+    return (catalog_lookup(model) is not None or model.startswith("litgpt:")
+            or os.path.exists(os.path.expanduser(model)))
+
+
+def _file_digest(value: str) -> str | None:
+    """SHA-256 of the file ``value`` names (of a folder's ``config.json``), or None where it names none."""
+    if not value or value.startswith("-") or len(value) > 4096:
+        return None
+    path = Path(os.path.expanduser(value))
+    with contextlib.suppress(OSError, ValueError):
+        if path.is_dir():
+            path = path / "config.json"
+        if path.is_file():
+            return hashlib.sha256(path.read_bytes()).hexdigest()
+    return None
+
+
+def _terminal() -> list:
+    """Whether stdout is a terminal, and its width: the report is drawn for it."""
+    tty = sys.stdout.isatty()
+    return [tty, shutil.get_terminal_size().columns if tty else None]
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    from llmem_plugin.trace.cache import LIBRARIES
+
+    versions: dict[str, str | None] = {"python": sys.version}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@functools.lru_cache(maxsize=1)
+def _package_digest() -> str:
+    """SHA-256 over every file of this package (code, catalogs, data) by relative path and content."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            h.update(str(path.relative_to(root)).encode() + b"\0")
+            h.update(path.read_bytes())
+    return h.hexdigest()
