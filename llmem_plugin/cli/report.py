@@ -274,7 +274,9 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
     if host is not None:
         console.print(f"host (CPU) RAM: {gib(host.node_bytes)} GiB per node ({host.source}); limit "
                       f"{gib(plan.host_limit_bytes)} GiB per node")
-    _print_candidates(plan_rows(plan, show_all), plan.choice, console)
+    rows = plan_rows(plan, show_all)
+    if rows:  # none when every method was skipped before a trace
+        _print_candidates(rows, plan.choice, console)
     if plan.choice is not None:
         console.print(f"choice: {plan.why}")
         if host is not None:
@@ -293,7 +295,10 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
             c = s.choice
             console.print(f"  fits with {s.change}: {c.label()}, {gib(c.device_total_bytes)} GiB per GPU, "
                           f"{c.tokens_per_s:,.0f} tokens/s")
-        if not plan.suggestions:
+        if plan.fixed_bytes > plan.limit_bytes:
+            console.print(f"  the CUDA context, cuBLAS workspace and NCCL buffers alone take {gib(plan.fixed_bytes)} "
+                          "GiB per GPU: no change of the job can fit; use a smaller --margin or a GPU with more memory")
+        elif not plan.suggestions:
             console.print("  no change tried (more GPUs, offload, LoRA, a shorter sequence) made it fit")
     for name, why in plan.skipped:
         console.print(f"[dim]skipped {name}: {why}[/dim]")

@@ -2,10 +2,12 @@
 
 Before any method is traced (docs/planner.md, "Memory: trace per method, not per candidate"):
 
-* per configuration, its parameter and optimizer-state shards (:func:`_lower_bound`) against the GPU limit,
-  and the host RAM its offload needs (:func:`_host_lower_bound`) against the host limit;
-* after the single-GPU profile, per unit (configuration, checkpointing), the memory bound (shards, CUDA
-  context, the forward's saved tensors at micro-batch 1, a pipeline's receive buffers:
+* per configuration, its parameter and optimizer-state shards (:func:`_lower_bound`) plus what every
+  candidate holds whatever its method (:func:`fixed_bytes`: the CUDA context, a cuBLAS workspace, NCCL's
+  buffers) against the GPU limit, and the host RAM its offload needs (:func:`_host_lower_bound`) against the
+  host limit;
+* after the single-GPU profile, per unit (configuration, checkpointing), the memory bound (shards, the fixed
+  bytes, the forward's saved tensors at micro-batch 1, a pipeline's receive buffers:
   :func:`_memory_bound`) against the GPU limit, and the step-time bound (:func:`_time_bound`) that orders
   the screen and prunes it.
 
@@ -15,8 +17,9 @@ against the traces.
 
 from __future__ import annotations
 
+from llmem_plugin.device.gpus import GPU
 from llmem_plugin.device.host import HostCapacity
-from llmem_plugin.device.overheads import CUDA_CONTEXT_BYTES
+from llmem_plugin.device.overheads import CUDA_CONTEXT_BYTES, cublas_workspace_bytes, nccl_buffer_bytes
 from llmem_plugin.errors import ConfigError
 from llmem_plugin.methods import Layout
 from llmem_plugin.models.config import num_layers
@@ -38,20 +41,25 @@ from llmem_plugin.planner.screen import _pp_work, _Search
 from llmem_plugin.planner.space import _BatchError, _micro_batch_plan, _pipeline_splits
 from llmem_plugin.workload import OptimizerKind, Precision, Workload
 
-__all__ = ["bound_configs", "bound_units"]
+__all__ = ["FIXED_WHAT", "bound_configs", "bound_units", "fixed_bytes"]
 
 
 def bound_configs(ctx: _Context, configs: list[_Config], run: _Run, host_cap: HostCapacity) -> list[_Config]:
     """The configurations whose parameter and optimizer-state shards fit the GPU limit and whose least host
     need fits the host limit; the others go to ``run.skipped`` with their figure (host ones also to
     ``run.host_needs``)."""
+    fixed = fixed_bytes(ctx.gpu, ctx.layout)
+    if fixed > ctx.limit:  # no configuration can fit: one line says why
+        run.skipped.append(("every method", f"{FIXED_WHAT} alone take {fixed / _GIB:.2f} GiB of the "
+                                            f"{ctx.limit / _GIB:.2f} GiB limit"))
+        return []
     todo = []
     for cfg in configs:
-        lb = _lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload)
+        lb = _lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + fixed
         host_lb = _host_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload)
         if lb > ctx.limit:
-            why = f"its parameter and optimizer-state shards alone take {lb / _GIB:.1f} GiB of the " \
-                  f"{ctx.limit / _GIB:.1f} GiB limit"
+            why = f"its parameter and optimizer-state shards and {FIXED_WHAT} take at least {lb / _GIB:.1f} GiB " \
+                  f"of the {ctx.limit / _GIB:.1f} GiB limit"
             run.skipped.append((_cfg_label(cfg), why))
         elif host_lb > ctx.host_limit:
             run.skipped.append((_cfg_label(cfg), _host_why(host_lb, ctx.host_limit, host_cap)))
@@ -98,15 +106,30 @@ def bound_units(ctx: _Context, opts: _Options, todo: list[_Config], search: _Sea
 
 def _memory_why(ctx: _Context, cfg: _Config, need: int) -> str:
     """Why a unit over the limit is skipped: its memory bound and what it holds."""
-    what = "states, context and the forward's saved tensors at micro-batch 1"
+    what = f"states, {FIXED_WHAT} and the forward's saved tensors at micro-batch 1"
     if cfg.pp > 1:
         fewest = min(m for m, _ in _pipeline_splits(ctx, cfg))
-        what = (f"states, context, the forward's saved tensors at micro-batch 1 and the receive "
+        what = (f"states, {FIXED_WHAT}, the forward's saved tensors at micro-batch 1 and the receive "
                 f"buffers of {fewest} microbatches per schedule step")
     return f"needs at least {need / _GIB:.1f} GiB ({what}) of the {ctx.limit / _GIB:.1f} GiB limit"
 
 
 # ----------------------------------------------------------------------------- memory
+
+FIXED_WHAT = "the CUDA context, cuBLAS workspace and NCCL buffers"
+
+
+def fixed_bytes(gpu: GPU, layout: Layout) -> int:
+    """Device bytes every candidate holds whatever its method, as each method's estimate adds them
+    (:func:`llmem_plugin.device.overheads.device_overheads`): the CUDA context; the cuBLAS workspace the
+    forward's first matmul makes (:func:`~llmem_plugin.device.overheads.workspace_allocations`; the
+    backward's second one is left out); on more than one GPU one NCCL communicator's buffers, since every
+    rank joins at least one communicator of two or more ranks (data parallel's, tensor parallel's, or a
+    pipeline's 2-rank P2P one) and :func:`~llmem_plugin.device.overheads.nccl_buffer_bytes` is the same
+    for every size from 2."""
+    nccl = nccl_buffer_bytes(2) if layout.num_gpus > 1 else 0
+    return CUDA_CONTEXT_BYTES + cublas_workspace_bytes(tuple(gpu.compute_capability)) + nccl
+
 
 
 def _state_bytes_per_element(wl: Workload) -> int:
@@ -142,7 +165,8 @@ def _lower_bound(cfg: _Config, layout: Layout, params: int, trainable: int, wl: 
 
 def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) -> int:
     """Bytes every candidate of (cfg, gc) holds at least: the parameter and
-    optimizer-state shards (:func:`_lower_bound`), the CUDA context, and the
+    optimizer-state shards (:func:`_lower_bound`), the fixed bytes
+    (:func:`fixed_bytes`), and the
     forward's saved tensors at micro-batch 1 (the single-GPU profile's,
     less the 16-bit weight copies autocast saves there, which engines that
     keep 16-bit parameters do not make; a TP rank holds at least 1/tp), and
@@ -152,7 +176,7 @@ def _memory_bound(ctx: _Context, cfg: _Config, gc: bool, profiles: _Profiles) ->
         acts -= 2 * ctx.params
     # A pipeline rank: at least its stage's share, and a TP rank's 1/tp of that.
     tp = cfg.tp if _TRAITS[cfg.method].tp_family else cfg.pp * cfg.tp
-    bound = (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + CUDA_CONTEXT_BYTES
+    bound = (_lower_bound(cfg, ctx.layout, ctx.params, ctx.trainable, ctx.workload) + fixed_bytes(ctx.gpu, ctx.layout)
              + max(acts, 0) // tp)
     if cfg.pp > 1:
         bound += _receive_buffers_bound(ctx, cfg)

@@ -264,6 +264,10 @@ class Plan:
             where the figure comes from (``--host-memory`` or a default).
         host_refused_bytes: The least host RAM per node among the plans
             refused for host memory (0: none was).
+        fixed_bytes: Device bytes every candidate holds whatever its method
+            (:func:`llmem_plugin.planner.bounds.fixed_bytes`: the CUDA context,
+            a cuBLAS workspace, NCCL's buffers); over the limit, no change
+            of the job can fit.
     """
 
     model: str
@@ -283,6 +287,7 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     host_memory: HostCapacity | None = None
     host_refused_bytes: int = 0
+    fixed_bytes: int = 0
 
     @property
     def host_limit_bytes(self) -> int:
@@ -319,6 +324,7 @@ class Plan:
             "host_memory": self.host_memory.to_dict() if self.host_memory else None,
             "host_limit_bytes": self.host_limit_bytes,
             "host_refused_bytes": self.host_refused_bytes,
+            "fixed_bytes": self.fixed_bytes,
         }
 
 

@@ -24,6 +24,7 @@ from llmem_plugin.planner.candidates import (
     _unit_label,
     planner_methods,
 )
+from llmem_plugin.planner.bounds import FIXED_WHAT
 from llmem_plugin.planner.rank import _best_time
 from llmem_plugin.workload import LoraSpec, OptimizerKind, Quantization
 
@@ -97,6 +98,9 @@ def _wont_fit_line(p: Plan, search_note: str | None = None) -> str:
         traced = sum(1 for c in p.candidates if c.verified)
         head += (f"; {traced} candidates the screen put under the limit were traced and did not fit, "
                  f"{unverified} more were not traced (raise max_verify to try them)")
+    if p.fixed_bytes > p.limit_bytes:
+        head += (f"; {FIXED_WHAT} alone take {p.fixed_bytes / _GIB:.2f} GiB per GPU, so no change of the job can "
+                 "fit: keep a smaller margin or plan for a GPU with more memory")
     if p.suggestions:
         head += "; to fit: " + "; ".join(s.change for s in p.suggestions)
     if search_note:

@@ -48,7 +48,7 @@ from llmem_plugin.errors import ConfigError, UnsupportedError
 from llmem_plugin.methods import Layout
 from llmem_plugin.models import modelbuild
 from llmem_plugin.models.config import resolve_config
-from llmem_plugin.planner.bounds import bound_configs, bound_units
+from llmem_plugin.planner.bounds import bound_configs, bound_units, fixed_bytes
 from llmem_plugin.planner.candidates import Candidate, Plan, _Context, _Options, _Run
 from llmem_plugin.planner.cost import DEFAULT_EFFICIENCY, Network
 from llmem_plugin.planner.explain import explain, explain_skipped
@@ -174,6 +174,8 @@ def plan(
     t_end = time.perf_counter()
     result = _plan_of(model, ctx, run, choice, runner, why, margin=margin, host_cap=host_cap,
                       seconds=t_end - t0, screen_s=t_end - t_screen)
+    if choice is None and result.fixed_bytes > result.limit_bytes:  # no change of the job can fit
+        suggest = False
     if choice is None:
         same = {"gpu": gpu, "gpu_memory": gpu_memory, "global_batch": ctx.global_batch, "margin": margin,
                 "methods": methods, "tps": tps, "micro_batch": micro_batch,
@@ -227,10 +229,12 @@ def _context(model: Any, *, gpu: GPU | str, gpu_memory: int | None, num_gpus: in
         raise ConfigError(f"global batch must be a positive number of sequences, got {global_batch}")
     config = resolve_config(model)
     require_causal_lm(config, "llmem plan", wl.task)
-    meta = modelbuild.build_model(config, wl, device="meta")
-    params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
-    trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)
     limit = int(target.capacity_bytes * (1 - margin))
+    params = trainable = 0
+    if fixed_bytes(target, layout) <= limit:  # else nothing is screened (bounds.bound_configs): no model to build
+        meta = modelbuild.build_model(config, wl, device="meta")
+        params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+        trainable = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values() if p.requires_grad)
     host_cap = resolve_host_memory(host_memory, gpu=target, gpus_per_node=layout.gpus_per_node)
     host_limit = int(host_cap.node_bytes * (1 - margin))
     ctx = _Context(model=model, config=config, workload=wl, layout=layout, gpu=target,
@@ -262,7 +266,8 @@ def _plan_of(model: Any, ctx: _Context, run: _Run, choice: Candidate | None, run
                 candidates=run.candidates, choice=choice, runner_up=runner, why=why, skipped=run.skipped,
                 seconds=seconds, timings=timings, host_memory=host_cap,
                 host_refused_bytes=min([*run.host_needs, *(c.host_bytes_per_node for c in run.candidates
-                                                           if not c.host_fits)], default=0))
+                                                           if not c.host_fits)], default=0),
+                fixed_bytes=fixed_bytes(ctx.gpu, ctx.layout))
 
 
 def gpus_on_this_machine() -> tuple[str, int]:
