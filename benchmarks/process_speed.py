@@ -1,8 +1,10 @@
 """Whole-process wall time of ``llmem`` commands, as a user feels them (imports included).
 
 Each command runs ``--repeat`` times (default 5) as a fresh ``python -m llmem_plugin.cli``
-process; the median is the figure. The trace cache is off (``LLMEM_NO_CACHE=1``) except for the
-rows marked ``warm cache``, which run once to fill a fresh cache folder and then are timed.
+process; the median is the figure. The caches are off (``LLMEM_NO_CACHE=1``) except where a row's
+``cache`` says "answer" (the same command ran once before in a fresh cache folder: the result cache
+answers) or "trace" (the command without ``--json`` ran once before: its traces are kept, the answer
+is not). The plans and ``--method all`` run at most once (minutes each).
 Run on an idle machine: the figures are for the machine they were taken on.
 
     python benchmarks/process_speed.py                 # writes benchmarks/results/process-speed-<date>.json
@@ -25,16 +27,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _8B = ["estimate", "--model", "llama-3.1-8b", "--seq-len", "2048", "--precision", "bf16", "--gpu", "h100-sxm"]
-# (name, argv, cache): the issue's table (issue 46) where a command runs in seconds.
+_TINY = str(Path(__file__).resolve().parent / "tiny-llama-2l.json")
+# (name, argv, cache, repeat): the issue's table (issue 46). cache: "off" (LLMEM_NO_CACHE=1), "answer" (the same
+# command run once before: the result cache answers), "trace" (the command without --json run once before: the
+# trace cache holds its traces, the result cache misses). repeat: None for --repeat, else at most this many (the
+# plans and --method all take minutes per run).
 CASES = [
-    ("8b", _8B, False),
-    ("8b-full", [*_8B, "--full"], False),
-    ("8b-second-run", _8B, True),
+    ("8b", _8B, "off", None),
+    ("8b-full", [*_8B, "--full"], "off", None),
+    ("8b-second-run", _8B, "answer", None),
+    ("8b-trace-cache-hit", [*_8B, "--json"], "trace", None),
     ("70b-fast", ["estimate", "--model", "llama-3.1-70b", "--precision", "bf16", "--fast", "--gpu", "h100-sxm"],
-     False),
-    ("8b-grad-accum-1", [*_8B, "--grad-accum", "1"], False),
-    ("8b-grad-accum-32", [*_8B, "--grad-accum", "32"], False),
-    ("help", ["--help"], False),
+     "off", None),
+    ("8b-grad-accum-1", [*_8B, "--grad-accum", "1"], "off", None),
+    ("8b-grad-accum-32", [*_8B, "--grad-accum", "32"], "off", None),
+    ("tiny-plan-margin-0.99", ["plan", "--model", _TINY, "--gpus", "2", "--seq-len", "128", "--no-verify",
+                               "--margin", "0.99", "--gpu", "h100-sxm"], "off", None),
+    ("70b-plan-64", ["plan", "--model", "llama-3.1-70b", "--gpus", "64", "--nodes", "8", "--gpu", "h100-sxm"],
+     "off", 1),
+    ("405b-plan-512", ["plan", "--model", "llama-3.1-405b", "--gpus", "512", "--nodes", "64", "--gpu", "h100-sxm"],
+     "off", 1),
+    ("8b-method-all", ["estimate", "--model", "llama-3.1-8b", "--grad-checkpointing", "--method", "all", "--gpus",
+                       "8", "--gpu", "h100-sxm"], "off", 1),
+    ("help", ["--help"], "off", None),
 ]
 
 
@@ -46,6 +61,15 @@ def _time(argv: list[str], env: dict[str, str]) -> float:
     if proc.returncode not in (0, 3):
         raise RuntimeError(f"llmem {' '.join(argv)}: exit {proc.returncode}: {proc.stderr[-2000:]}")
     return seconds
+
+
+def _is_answer(path: Path) -> bool:
+    """Whether a cache entry is a kept answer (llmem_plugin.cli.resultcache.Answer), not a trace: its pickle
+    names that class first, after the entry's magic and key lines (llmem_plugin.trace.cache)."""
+    with open(path, "rb") as f:
+        f.readline()
+        f.readline()
+        return b"llmem_plugin.cli.resultcache" in f.read(300)
 
 
 def _commit() -> str | None:
@@ -62,17 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rows = []
-    for name, cmd, warm in CASES:
+    for name, cmd, cache, most in CASES:
         if args.only and name not in args.only:
             continue
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "LLMEM_CACHE_DIR": cache, "LLMEM_NO_CACHE": "0" if warm else "1"}
-            if warm:
-                _time(cmd, env)  # fills the cache
-            times = [_time(cmd, env) for _ in range(args.repeat)]
-        rows.append({"name": name, "argv": cmd, "warm_cache": warm, "median_s": round(statistics.median(times), 2),
-                     "times_s": [round(t, 2) for t in times]})
-        print(f"{name:20s} median {rows[-1]['median_s']:7.2f} s  {rows[-1]['times_s']}", flush=True)
+        repeat = args.repeat if most is None else min(args.repeat, most)
+        with tempfile.TemporaryDirectory() as folder:
+            env = {**os.environ, "LLMEM_CACHE_DIR": folder, "LLMEM_NO_CACHE": "1" if cache == "off" else "0"}
+            if cache != "off":  # fills the cache: the command itself, or its run without --json
+                _time(cmd if cache == "answer" else [a for a in cmd if a != "--json"], env)
+            times = []
+            for _ in range(repeat):
+                if cache == "trace":  # each timed run must miss the result cache again
+                    for answer in Path(folder).glob("traces/*/*.pkl"):
+                        if _is_answer(answer):
+                            answer.unlink()
+                times.append(_time(cmd, env))
+        rows.append({"name": name, "argv": cmd, "cache": cache, "repeat": repeat,
+                     "median_s": round(statistics.median(times), 2), "times_s": [round(t, 2) for t in times]})
+        print(f"{name:22s} median {rows[-1]['median_s']:7.2f} s  {rows[-1]['times_s']}", flush=True)
     import torch
     import transformers
 
@@ -80,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                        "python": platform.python_version(), "torch": torch.__version__,
                        "transformers": transformers.__version__},
-           "repeat": args.repeat, "rows": rows}
+           "rows": rows}
     path = Path(args.out or ROOT / "benchmarks" / "results" / f"process-speed-{out['date']}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
