@@ -72,8 +72,9 @@ def estimate_parser(sub) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
     g.add_argument("--full", action="store_true",
-                   help="trace the whole model (default: on one GPU, the step's stream is built from two "
-                        "shortened copies where that is exact and cheaper; the report names the path)")
+                   help="trace the whole model (default: the step's stream is built from two shortened copies "
+                        "where that is exact and cheaper: on one GPU, and for --method zero3 where DeepSpeed's "
+                        "windows stay inside a layer; the report names the path)")
     add_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
@@ -299,6 +300,8 @@ def _estimate_methods(args: argparse.Namespace, pairs, wl, gpu, options: dict, p
         if name.startswith("pp"):
             extra.update(pipeline)
             extra["fast"] = args.fast  # per-stage depth extrapolation (llmem_plugin.methods.pp.method)
+        elif not args.fast:  # the full trace's figures, from built streams where the method proves them exact
+            extra["stream_synthesis"] = not args.full
         try:
             est = estimate_method(name, args.model, wl, layout=lay, gpu=gpu, alloc_conf=args.alloc_conf,
                                   torch_version=args.torch_version, **options, **extra)

@@ -145,3 +145,31 @@ def test_pipeline_microbatches_beyond_a_traced_step(capsys, tmp_path):
     assert code == 0, err
     row = json.loads(out)["methods"][0]
     assert f"{m} microbatches" in row["notes"][0] and any(n.startswith("composed: ranks [0, 1]") for n in row["notes"])
+
+
+def test_method_zero3_builds_its_stream_by_default_and_full_traces(capsys, tmp_path):
+    """--method zero3 takes the built stream where DeepSpeed's windows stay inside a layer; its figures are
+    --full's (the full trace), and the note says which path each took."""
+    import transformers
+
+    model = tmp_path / "config.json"
+    model.write_text(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=10, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512).to_json_string())
+    ds = tmp_path / "ds.json"  # every window inside one layer's 43,136 parameters (tests/methods/test_zero_synthesis)
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "reduce_bucket_size": 20_000, "stage3_prefetch_bucket_size": 20_000,
+        "stage3_max_live_parameters": 20_000, "stage3_max_reuse_distance": 20_000,
+        "stage3_param_persistence_threshold": 1_000}}))
+    args = ["estimate", "--model", str(model), "--seq-len", "64", "--batch-size", "2", "--gpus", "4", "--method",
+            "zero3", "--deepspeed-config", str(ds), "--json"]
+    rows = []
+    for extra in ([], ["--full"]):
+        code, out, err = run(capsys, *args, *extra)
+        assert code == 0, err
+        rows.append(json.loads(out)["methods"][0])
+    built, full = rows
+    assert any("event stream was built from" in n for n in built["notes"])
+    assert not any("event stream was built from" in n for n in full["notes"])
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
+        assert built[key] == full[key], key
