@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 from llmem_plugin.cli.config import add_config_args, emit_json, show_recipe
 from llmem_plugin.cli.options import (
@@ -286,12 +287,13 @@ def _method_options(args: argparse.Namespace, names: list[str]) -> tuple[dict, d
 
 
 def _estimate_methods(args: argparse.Namespace, pairs, wl, gpu, options: dict, pipeline: dict):
-    """(estimates, skipped (name, reason)) of each (method, layout) pair; with ``--method all`` a method
-    that refuses is skipped with its reason, a named one's refusal is raised."""
-    from llmem_plugin.errors import LLMemError
-    from llmem_plugin.methods import estimate_method
+    """(estimates, skipped (name, reason)) of each (method, layout) pair, run side by side over the cores
+    (:mod:`llmem_plugin.methods.parallel`); with ``--method all`` a method that refuses is skipped with its
+    reason, a named one's refusal is raised."""
+    from llmem_plugin import errors
+    from llmem_plugin.methods.parallel import cores, forked_map
 
-    rows, skipped = [], []
+    tasks, labels, skipped = [], [], []
     for name, lay in pairs:
         if args.offload and name not in _OFFLOAD_METHODS:
             skipped.append((name, "no CPU offload"))
@@ -302,16 +304,37 @@ def _estimate_methods(args: argparse.Namespace, pairs, wl, gpu, options: dict, p
             extra["fast"] = args.fast  # per-stage depth extrapolation (llmem_plugin.methods.pp.method)
         elif not args.fast:  # the full trace's figures, from built streams where the method proves them exact
             extra["stream_synthesis"] = not args.full
-        try:
-            est = estimate_method(name, args.model, wl, layout=lay, gpu=gpu, alloc_conf=args.alloc_conf,
-                                  torch_version=args.torch_version, **options, **extra)
-        except LLMemError as e:
+        tasks.append((name, args.model, wl, lay, gpu, args.alloc_conf, args.torch_version, {**options, **extra}))
+        labels.append(name if lay.tp == 1 else f"{name} tp{lay.tp}")
+    rows = []
+    for label, out in zip(labels, forked_map(_method_task, tasks, workers=cores()), strict=True):
+        if isinstance(out, _Refusal):
             if args.method != "all":
-                raise
-            skipped.append((name if lay.tp == 1 else f"{name} tp{lay.tp}", str(e).split(". HINT")[0]))
+                raise getattr(errors, out.kind, errors.ConfigError)(out.message)
+            skipped.append((label, out.message.split(". HINT")[0]))
             continue
-        rows.append(est)
+        rows.append(out)
     return rows, skipped
+
+
+class _Refusal(NamedTuple):
+    """A method's refusal (an :class:`~llmem_plugin.errors.LLMemError`), as a value that crosses processes."""
+
+    kind: str
+    message: str
+
+
+def _method_task(task: tuple):
+    """One method's estimate, or its refusal (in a forked worker, or here)."""
+    from llmem_plugin.errors import LLMemError
+    from llmem_plugin.methods import estimate_method
+
+    name, model, wl, lay, gpu, alloc_conf, torch_version, kwargs = task
+    try:
+        return estimate_method(name, model, wl, layout=lay, gpu=gpu, alloc_conf=alloc_conf,
+                               torch_version=torch_version, **kwargs)
+    except LLMemError as e:
+        return _Refusal(type(e).__name__, str(e))
 
 
 def _methods_exit_code(args: argparse.Namespace, rows, gpu, host, num_gpus: int) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 
 from llmem_plugin.errors import ConfigError, LLMemError
 from llmem_plugin.methods import Layout, MethodEstimate
+from llmem_plugin.methods.parallel import cores as _cores
+from llmem_plugin.methods.parallel import forked_map
 from llmem_plugin.models.config import num_layers
 from llmem_plugin.planner.candidates import (
     _PP,
@@ -249,25 +251,7 @@ def _run_task(task: tuple) -> Any:
 def _map(tasks: list[tuple]) -> list[Any]:
     """Run the tasks over the machine's cores: each worker is a fork of this
     process (imported modules and built state come with it)."""
-    workers = min(len(tasks), _cores())
-    if workers <= 1:
-        return [_run_task(t) for t in tasks]
-    import multiprocessing
-
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
-        return pool.map(_run_task, tasks, chunksize=1)
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _quiet_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
+    return forked_map(_run_task, tasks, workers=_cores())
 
 
 # ----------------------------------------------------------------------------- candidates from the traces

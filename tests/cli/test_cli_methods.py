@@ -173,3 +173,31 @@ def test_method_zero3_builds_its_stream_by_default_and_full_traces(capsys, tmp_p
     assert not any("event stream was built from" in n for n in full["notes"])
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
         assert built[key] == full[key], key
+
+
+def test_method_all_side_by_side_gives_what_one_process_gives(capsys, monkeypatch):
+    """--method all runs its estimates in forked workers, one per core (llmem_plugin.methods.parallel): the rows,
+    their order and the skipped methods are those of the same run in this process alone."""
+    import llmem_plugin.methods.parallel as parallel
+
+    args = ["estimate", "--model", "gpt2", "--seq-len", "64", "--gpus", "2", "--json"]
+    outs = []
+    for n in (2, 1):
+        monkeypatch.setattr(parallel, "cores", lambda n=n: n)
+        code, out, err = run(capsys, *args)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    assert outs[0] == outs[1]
+    assert len(outs[0]["methods"]) > 2
+
+
+def test_a_refusal_crosses_the_process_boundary_as_its_own_error():
+    from llmem_plugin import errors
+    from llmem_plugin.cli.estimate import _method_task, _Refusal
+    from llmem_plugin.methods import Layout
+    from llmem_plugin.workload import Workload
+
+    out = _method_task(("tp", "gpt2", Workload(seq_len=64), Layout(num_gpus=2, tp=2), "h100-sxm", None, None, {}))
+    # The TP plans cover llama-style model types only (llmem_plugin.methods.tp): GPT-2 is refused, by type.
+    assert out == _Refusal("UnsupportedError", out.message) and issubclass(errors.UnsupportedError, errors.LLMemError)
+    assert "not 'gpt2'" in out.message
