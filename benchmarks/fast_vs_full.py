@@ -14,6 +14,8 @@ full trace (``estimate.FAST_VERDICT_BAND``). Rows are appended to
 
     python benchmarks/fast_vs_full.py                 # all models
     python benchmarks/fast_vs_full.py gemma-3-1b ...  # some of them
+    python benchmarks/fast_vs_full.py --default-path  # the default path (synthesized where exact) against
+                                                      # --full, with and without checkpointing, byte for byte
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ def _source(name: str):
     return getattr(transformers, cls)(**fields)
 
 
-def _one(name: str) -> dict:
+def _one(name: str, default_path: bool = False, gc: bool = False) -> dict:
     import llmem_plugin
     from llmem_plugin.errors import ConfigError
 
+    if default_path:
+        return _default_vs_full(name, gc)
     source = _source(name)
     seq_len = SCAN_SEQ_LEN if name in ("mamba-130m", "jamba-v0.1", "recurrentgemma-2b") else SEQ_LEN
     kw = dict(seq_len=seq_len, batch_size=1, gpu_memory=CAPACITY)
@@ -107,9 +111,38 @@ def _one(name: str) -> dict:
     return row
 
 
+def _default_vs_full(name: str, gc: bool) -> dict:
+    """The default path (``estimate(source)``: the stream synthesized from shortened copies where that is exact)
+    against ``full=True``, every figure compared for byte equality."""
+    import llmem_plugin
+    from llmem_plugin.errors import ConfigError
+
+    source = _source(name)
+    seq_len = SCAN_SEQ_LEN if name in ("mamba-130m", "jamba-v0.1", "recurrentgemma-2b") else SEQ_LEN
+    kw = dict(seq_len=seq_len, batch_size=1, gpu_memory=CAPACITY, grad_checkpointing=gc)
+    try:
+        llmem_plugin.estimate(source, fast=True, **{**kw, "seq_len": 8})  # warm-up, and the precision check
+    except ConfigError:
+        kw["precision"] = "bf16"
+    row: dict = {"model": name, "seq_len": seq_len, "batch_size": 1, "grad_checkpointing": gc}
+    figures = {}
+    for tag, full in (("default", False), ("full", True)):
+        t = time.perf_counter()
+        est = llmem_plugin.estimate(source, full=full, **kw)
+        row["precision"] = est.workload.precision.value
+        row[f"{tag}_s"] = round(time.perf_counter() - t, 2)
+        row[f"{tag}_path"] = est.trace_path
+        figures[tag] = (est.peak_tensor_bytes, est.peak_allocated_bytes, est.peak_reserved_bytes,
+                        est.device_total_bytes, est.peak_phase.value)
+        row[f"{tag}_peak_reserved_bytes"] = est.peak_reserved_bytes
+    row["identical"] = figures["default"] == figures["full"]
+    return row
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
-        print(json.dumps(_one(sys.argv[2])))
+        default_path = "--default-path" in sys.argv
+        print(json.dumps(_one(sys.argv[2], default_path=default_path, gc="--gc" in sys.argv)))
         return
     import subprocess
 
@@ -117,12 +150,17 @@ def main() -> None:
 
     from llmem_plugin.models import catalog
 
-    names = sys.argv[1:] or [*sorted(catalog.names()), *EXTRA]
-    path = os.path.join(RESULTS, f"fast-vs-full-{dt.date.today().isoformat()}.jsonl")
+    default_path = "--default-path" in sys.argv
+    gcs = [False, True] if default_path else [False]
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or [*sorted(catalog.names()), *EXTRA]
+    stem = "default-vs-full" if default_path else "fast-vs-full"
+    path = os.path.join(RESULTS, f"{stem}-{dt.date.today().isoformat()}.jsonl")
     with open(path, "a") as f:
         f.write(json.dumps({"environment": environment()}) + "\n")
-    for name in names:
-        out = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True, check=False)
+    for name, gc in ((n, g) for n in names for g in gcs):
+        flags = (["--default-path"] if default_path else []) + (["--gc"] if gc else [])
+        out = subprocess.run([sys.executable, __file__, "--case", name, *flags], capture_output=True, text=True,
+                             check=False)
         if out.returncode != 0:
             row = {"model": name, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
         else:

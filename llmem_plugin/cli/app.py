@@ -96,10 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = resultcache.lookup(key)
     if kept is not None:
         return resultcache.replay(kept)
-    started = time.time()
+    started, before = time.time(), resultcache.inputs_digest(raw_argv, argv)
     with resultcache.capture() as printed:
         code = _run(args)
-    resultcache.store(key, resultcache.Answer(printed[0], printed[1], code, started))
+    if resultcache.inputs_digest(raw_argv, argv) == before:  # no input file changed while the command ran
+        resultcache.store(key, resultcache.Answer(printed[0], printed[1], code, started))
     return code
 
 

@@ -297,7 +297,8 @@ def render_plan(plan, console: Console, *, show_all: bool = False) -> None:
                           f"{c.tokens_per_s:,.0f} tokens/s")
         if plan.fixed_bytes > plan.limit_bytes:
             console.print(f"  the CUDA context, cuBLAS workspace and NCCL buffers alone take {gib(plan.fixed_bytes)} "
-                          "GiB per GPU: no change of the job can fit; use a smaller --margin or a GPU with more memory")
+                          f"GiB per GPU: no change of the job on {plan.layout.num_gpus} GPU(s) can fit; use a smaller "
+                          "--margin or a GPU with more memory")
         elif not plan.suggestions:
             console.print("  no change tried (more GPUs, offload, LoRA, a shorter sequence) made it fit")
     for name, why in plan.skipped:

@@ -8,12 +8,16 @@ report itself is kept, under a key of everything the command reads:
 
 * the command line, before and after ``--config`` is expanded;
 * the content of every file the command line names (``--config``,
-  ``--model path``, ``--model-config``, ``--deepspeed-config``, ``--seq-lens``
-  files), and of a named folder's ``config.json``;
+  ``--model path``, ``litgpt:DIR``, ``--model-config``, ``--deepspeed-config``,
+  ``--seq-lens`` files), and of a named folder's files (the small ones by
+  content, weights by size and time); a pipe or another non-file is never
+  kept (it reads differently every time). The files are hashed again after
+  the run: one that changed meanwhile keeps nothing;
 * the environment variables the estimate reads (``LLMEM_*`` except the
-  cache's own, ``PYTORCH_CUDA_ALLOC_CONF``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``)
-  and those that decide how the report is drawn (``COLUMNS``, ``NO_COLOR``,
-  ``FORCE_COLOR``, ``TERM``, and whether stdout is a terminal of what width);
+  cache's own, ``PYTORCH_CUDA_ALLOC_CONF``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``,
+  ``CUBLAS_WORKSPACE_CONFIG``) and those that decide how rich draws the
+  report (``COLUMNS``, ``NO_COLOR``, ``TERM``, ...), with what rich resolves
+  from them (terminal, colours, width) and rich's version;
 * the versions of Python and of the libraries a trace runs, and a digest of
   every file of this package (its code and its catalogs).
 
@@ -24,7 +28,9 @@ an existing path (a Hub id read from the local Hub cache), and commands that
 write files (``--plot``). Only answers are kept (exit 0, or 3 for "does not
 fit"); bad input (exit 2) is refused anew every time.
 
-What is kept: stdout, the ``llmem:`` lines written to stderr (warnings, the
+A plan whose search for changes failed part-way is not kept
+(:func:`llmem_plugin.trace.cache.answer_not_kept`): that failure may not
+recur. What is kept: stdout, the ``llmem:`` lines written to stderr (warnings, the
 "does not fit" line; not the progress lines of a long plan), and the exit
 code. A replayed answer adds one line on stderr saying so, with when it was
 computed; ``--no-cache`` or ``LLMEM_NO_CACHE=1`` computes it anew.
@@ -42,17 +48,20 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["Answer", "capture", "lookup", "replay", "result_key", "store"]
+__all__ = ["Answer", "capture", "inputs_digest", "lookup", "replay", "result_key", "store"]
 
 _COMMANDS = ("estimate", "plan")
 # Variables the estimate or the report reads, beside the LLMEM_* ones.
-_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDNN_SDPA_DEPRIORITIZED", "COLUMNS", "NO_COLOR", "FORCE_COLOR", "TERM")
+_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDNN_SDPA_DEPRIORITIZED", "CUBLAS_WORKSPACE_CONFIG", "COLUMNS", "LINES",
+        "NO_COLOR", "FORCE_COLOR", "TERM", "COLORTERM", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "JUPYTER_COLUMNS")
+# A folder the command line names: its small files are hashed by content, larger ones (weights) by name, size
+# and modification time.
+_SMALL_FILE = 1 << 20
 # LLMEM_* variables that decide where and whether answers are kept, not what they are.
 _CACHE_ENV = ("LLMEM_CACHE_DIR", "LLMEM_CACHE_SIZE", "LLMEM_NO_CACHE")
 # A long plan's progress lines (llmem_plugin/cli/plan.py): "llmem: [12 s] ...", true of that run only.
@@ -77,12 +86,9 @@ def result_key(raw_argv: Sequence[str], argv: Sequence[str], args) -> str | None
         return None
     if default_cache() is None or not _machine_free(args):
         return None
-    files = {}
-    for token in (*raw_argv, *argv):
-        value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
-        digest = _file_digest(value)
-        if digest is not None:
-            files[value] = digest
+    files = inputs_digest(raw_argv, argv)
+    if files is None:
+        return None
     payload = {
         "kind": "answer", "raw_argv": list(raw_argv), "argv": list(argv), "files": files,
         "env": {k: v for k, v in sorted(os.environ.items())
@@ -91,6 +97,22 @@ def result_key(raw_argv: Sequence[str], argv: Sequence[str], args) -> str | None
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def inputs_digest(raw_argv: Sequence[str], argv: Sequence[str]) -> dict[str, str] | None:
+    """The digest of every file or folder the command line names, by the value naming it (``litgpt:DIR``
+    names DIR); None where one is neither a file nor a folder (a pipe: read once, never the same twice)."""
+    files = {}
+    for token in (*raw_argv, *argv):
+        value = token.split("=", 1)[1] if token.startswith("--") and "=" in token else token
+        value = value.removeprefix("litgpt:")
+        try:
+            digest = _path_digest(value)
+        except _NotAFile:
+            return None
+        if digest is not None:
+            files[value] = digest
+    return files
 
 
 def lookup(key: str) -> Answer | None:
@@ -106,8 +128,10 @@ def store(key: str, answer: Answer) -> None:
     """Keep ``answer`` under ``key`` (only answers: exit 0 or 3)."""
     from llmem_plugin.trace.cache import default_cache
 
+    from llmem_plugin.trace.cache import answer_kept
+
     cache = default_cache()
-    if cache is not None and answer.code in (0, 3):
+    if cache is not None and answer.code in (0, 3) and answer_kept():
         cache.put(key, answer)
 
 
@@ -130,6 +154,9 @@ def capture() -> Iterator[list[str]]:
     start with ``llmem:`` are kept, less a plan's progress lines: third-party
     libraries' import-time warnings are not part of the answer.
     """
+    from llmem_plugin.trace.cache import answer_kept
+
+    answer_kept(reset=True)
     out, err = _Tee(sys.stdout), _Tee(sys.stderr)
     result = ["", ""]
     old = sys.stdout, sys.stderr
@@ -155,7 +182,14 @@ class _Tee(io.TextIOBase):
         return self.stream.write(s)
 
     def flush(self) -> None:
-        self.stream.flush()
+        with contextlib.suppress(ValueError):  # a stream closed under us: nothing left to flush
+            self.stream.flush()
+
+    def close(self) -> None:  # the real stream is not ours to close
+        pass
+
+    def writable(self) -> bool:
+        return True
 
     def isatty(self) -> bool:
         return self.stream.isatty()
@@ -170,8 +204,9 @@ class _Tee(io.TextIOBase):
 
 def _machine_free(args) -> bool:
     """Whether the command's answer is independent of this machine (see the module docstring)."""
-    if getattr(args, "plot", None) or getattr(args, "host_memory", None) == "local":
-        return False
+    host = getattr(args, "host_memory", None)
+    if getattr(args, "plot", None) or (isinstance(host, str) and host.strip().lower() == "local"):
+        return False  # the same test as llmem_plugin.device.host.resolve_host_memory's
     if args.command == "plan" and getattr(args, "gpus", None) is None:
         return False
     model = getattr(args, "model", None)
@@ -183,23 +218,53 @@ def _machine_free(args) -> bool:
             or os.path.exists(os.path.expanduser(model)))
 
 
-def _file_digest(value: str) -> str | None:
-    """SHA-256 of the file ``value`` names (of a folder's ``config.json``), or None where it names none."""
+class _NotAFile(Exception):
+    """A path the command line names that is neither a regular file nor a folder."""
+
+
+def _path_digest(value: str) -> str | None:
+    """SHA-256 of the file ``value`` names, or of the folder's files (see ``_SMALL_FILE``); None where it
+    names nothing.
+
+    Raises:
+        _NotAFile: It names a pipe, a device or a socket.
+    """
     if not value or value.startswith("-") or len(value) > 4096:
         return None
     path = Path(os.path.expanduser(value))
-    with contextlib.suppress(OSError, ValueError):
-        if path.is_dir():
-            path = path / "config.json"
+    try:
         if path.is_file():
             return hashlib.sha256(path.read_bytes()).hexdigest()
+        if path.is_dir():
+            h = hashlib.sha256()
+            for p in sorted(path.iterdir()):
+                st = p.stat()
+                h.update(p.name.encode() + b"\0")
+                if p.is_file() and st.st_size <= _SMALL_FILE:
+                    h.update(p.read_bytes())
+                else:
+                    h.update(f"{st.st_size}:{st.st_mtime_ns}:{p.is_dir()}".encode())
+            return h.hexdigest()
+        if path.exists():
+            raise _NotAFile(value)
+    except (OSError, ValueError):
+        return None
     return None
 
 
 def _terminal() -> list:
-    """Whether stdout is a terminal, and its width: the report is drawn for it."""
-    tty = sys.stdout.isatty()
-    return [tty, shutil.get_terminal_size().columns if tty else None]
+    """How rich draws the report here: whether it writes to a terminal, its colours and width
+    (rich reads the size from stdin, stdout or stderr), and rich's version."""
+    from importlib import metadata
+
+    from rich.console import Console
+
+    console = Console()
+    try:
+        rich_version = metadata.version("rich")
+    except metadata.PackageNotFoundError:
+        rich_version = None
+    return [console.is_terminal, console.color_system, console.width, sys.stdout.isatty(), rich_version]
 
 
 @functools.lru_cache(maxsize=1)

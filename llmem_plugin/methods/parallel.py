@@ -10,7 +10,10 @@ worker keeps them from competing for the cores.
 
 Known limitations:
     Every worker holds its own trace: the peak host memory is the workers'
-    count times one trace's (about 1.5 GB for a 70B full trace).
+    count times one trace's (0.5 GB for a 70B full trace, measured in
+    benchmarks/results/process-speed-2026-12-07.md); the count follows the
+    cores, not the memory. Windows cannot fork: there everything runs in
+    this process, one estimate at a time.
 """
 
 from __future__ import annotations
@@ -25,21 +28,38 @@ T = TypeVar("T")
 
 
 def cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may use: its CPU affinity, less where a cgroup v2 CPU quota
+    (``/sys/fs/cgroup/cpu.max``: "QUOTA PERIOD", or "max") allows fewer (a container's CPU limit)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def forked_map(fn: Callable[[Any], T], items: Sequence[Any], *, workers: int) -> list[T]:
     """``[fn(x) for x in items]``, in that order, over ``workers`` forked processes (in this process
-    where one is enough). ``fn`` must be a module-level function, and what it takes and returns must
-    pickle: errors should come back as values, since not every exception type crosses a process."""
-    workers = min(workers, len(items))
-    if workers <= 1:
-        return [fn(x) for x in items]
+    where one is enough, or where the platform cannot fork). ``fn`` must be a module-level function, and
+    what it takes and returns must pickle: errors should come back as values. If a worker dies (killed
+    for memory, say), the items run again here, one at a time."""
     import multiprocessing
 
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread) as pool:
-        return pool.map(fn, items, chunksize=1)
+    workers = min(workers, len(items))
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [fn(x) for x in items]
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_one_thread) as pool:
+            return list(pool.map(fn, items))
+    except BrokenProcessPool:
+        return [fn(x) for x in items]
 
 
 def _one_thread() -> None:

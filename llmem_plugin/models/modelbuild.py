@@ -30,7 +30,39 @@ from llmem_plugin.models.config import (
 )
 from llmem_plugin.workload import LoraSpec, Task, Workload
 
-__all__ = ["adapters_to", "build_model", "default_precision", "fakeify", "majority_dtype"]
+__all__ = ["adapters_to", "build_model", "check_positions", "default_precision", "fakeify", "majority_dtype"]
+
+
+# The attribute names transformers gives a learned absolute position table: GPT-2 / GPT-Neo "wpe", BERT,
+# DistilBERT, RoBERTa "position_embeddings", BART / OPT / Whisper "embed_positions". A rotary or relative
+# model has none of them and no hard limit on the sequence.
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
+
+
+def check_positions(model: nn.Module, workload: Workload) -> None:
+    """Refuse a sequence longer than a learned absolute position table holds: the model itself cannot run it
+    (its position ids index past the table), so no estimate exists.
+
+    The table's usable rows: ``num_embeddings`` less BART's and OPT's ``offset`` of 2
+    (BartLearnedPositionalEmbedding, OPTLearnedPositionalEmbedding), or less ``padding_idx + 1`` where the
+    position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids).
+
+    Raises:
+        ConfigError: ``seq_len`` (or ``target_len``) is longer, with the model's limit.
+    """
+    longest = max(workload.seq_len, workload.target_len or 0)
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding) or name.rsplit(".", 1)[-1] not in _POSITION_TABLES:
+            continue
+        offset = getattr(m, "offset", None)
+        if not isinstance(offset, int):
+            offset = m.padding_idx + 1 if m.padding_idx is not None else 0
+        limit = m.num_embeddings - offset
+        if longest > limit:
+            what = "target_len" if workload.target_len and workload.target_len > workload.seq_len else "seq_len"
+            raise ConfigError(f"{what} {longest} is longer than the {limit} positions {type(model).__name__} learns "
+                              f"({name}: {m.num_embeddings} rows). HINT: use --{what.replace('_', '-')} {limit} or "
+                              "less, or a model with rotary positions")
 
 
 def build_model(source: ModelSource, workload: Workload, *, device: str = "meta") -> nn.Module:
@@ -117,6 +149,7 @@ def build_model(source: ModelSource, workload: Workload, *, device: str = "meta"
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise ConfigError(f"cannot build a {task.value} model from this config: {msg}") from None
     _check_moe_dtype(model, workload)
+    check_positions(model, workload)
     if workload.attn_implementation.value == "flash_attention_2":
         from llmem_plugin.trace.emulation.flash import check_model
 

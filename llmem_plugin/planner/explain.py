@@ -69,6 +69,9 @@ def explain(result: Plan, *, model: Any, same: dict[str, Any] | None, cache: dic
         except Exception as e:  # noqa: BLE001 - the verdict stands without them (an adapter must still stop)
             first = (str(e).strip().splitlines() or [""])[0][:200]
             search_note = f"the search for changes that fit failed ({type(e).__name__}: {first})"
+            from llmem_plugin.trace.cache import answer_not_kept
+
+            answer_not_kept()  # a repeated command searches again
     result = dataclasses.replace(result, suggestions=suggestions, seconds=time.perf_counter() - t0,
                                  timings={**result.timings, "suggest": time.perf_counter() - t_end})
     return WontFitError(_wont_fit_line(result, search_note) + _host_refusal(result), plan=result)
@@ -99,8 +102,9 @@ def _wont_fit_line(p: Plan, search_note: str | None = None) -> str:
         head += (f"; {traced} candidates the screen put under the limit were traced and did not fit, "
                  f"{unverified} more were not traced (raise max_verify to try them)")
     if p.fixed_bytes > p.limit_bytes:
-        head += (f"; {FIXED_WHAT} alone take {p.fixed_bytes / _GIB:.2f} GiB per GPU, so no change of the job can "
-                 "fit: keep a smaller margin or plan for a GPU with more memory")
+        head += (f"; {FIXED_WHAT} alone take {p.fixed_bytes / _GIB:.2f} GiB per GPU, so no change of the job on "
+                 f"{p.layout.num_gpus} GPU{'s' if p.layout.num_gpus > 1 else ''} can fit: keep a smaller margin or "
+                 "plan for a GPU with more memory")
     if p.suggestions:
         head += "; to fit: " + "; ".join(s.change for s in p.suggestions)
     if search_note:

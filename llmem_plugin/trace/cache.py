@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "LIBRARIES", "TraceCache", "cache_dir", "default_cache", "disabled", "make_key"]
+__all__ = ["DEFAULT_MAX_BYTES", "LIBRARIES", "TraceCache", "answer_kept", "answer_not_kept", "cache_dir", "default_cache", "disabled", "make_key"]
 
 # The files' total size kept by default: a full 8B trace takes about 2 MiB, a 70B one about 20 MiB.
 DEFAULT_MAX_BYTES = 2 << 30
@@ -59,9 +59,24 @@ _MAGIC = b"LLMEM-TRACE-1\n"
 # Libraries whose code runs inside a trace: their versions are part of every key.
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "torchao", "litgpt", "accelerate")
 # Environment variables a trace reads (llmem_plugin/trace/emulation/sdpa.py: torch's SDPA backend order).
-_TRACE_ENV = ("TORCH_CUDNN_SDPA_DEPRIORITIZED",)
+# CUBLAS_WORKSPACE_CONFIG: the workspaces replayed into every trace (llmem_plugin/device/overheads.py).
+_TRACE_ENV = ("TORCH_CUDNN_SDPA_DEPRIORITIZED", "CUBLAS_WORKSPACE_CONFIG")
 
 _disabled = [False]
+_answer_unkept = [False]
+
+
+def answer_not_kept() -> None:
+    """The command's answer this time depends on a failure that may not recur (a plan's search for changes
+    failed part-way): :mod:`llmem_plugin.cli.resultcache` must not keep it."""
+    _answer_unkept[0] = True
+
+
+def answer_kept(*, reset: bool = False) -> bool:
+    """Whether the command's answer may be kept (see :func:`answer_not_kept`); ``reset``: start a new command."""
+    if reset:
+        _answer_unkept[0] = False
+    return not _answer_unkept[0]
 
 
 @contextlib.contextmanager

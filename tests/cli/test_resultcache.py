@@ -119,3 +119,49 @@ def test_a_replayed_answer_imports_no_torch(tmp_path):
     assert [p.returncode for p in outs] == [0, 0]
     assert outs[0].stdout.endswith("torch imported: True\n") and outs[1].stdout.endswith("torch imported: False\n")
     assert outs[0].stdout.rsplit("torch imported", 1)[0] == outs[1].stdout.rsplit("torch imported", 1)[0]
+
+
+def _key(*argv: str) -> str | None:
+    args = app.build_parser().parse_args(list(argv))
+    return resultcache.result_key(list(argv), list(argv), args)
+
+
+def test_what_the_key_reads_beyond_the_options(on, monkeypatch, tmp_path):
+    base = _key(*GPT2)
+    assert base is not None and _key(*GPT2) == base
+    # The cuBLAS workspaces every trace replays (llmem_plugin/device/overheads.py) follow this variable.
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
+    assert _key(*GPT2) != base
+    # A litgpt:DIR model reads DIR's model_config.yaml: its content is in the key.
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model_config.yaml").write_text("n_layer: 2\n")
+    first = resultcache.inputs_digest([f"litgpt:{folder}"], [])
+    (folder / "model_config.yaml").write_text("n_layer: 4\n")
+    assert resultcache.inputs_digest([f"litgpt:{folder}"], []) != first
+
+
+def test_any_spelling_of_local_host_memory_and_a_pipe_are_not_kept(on, tmp_path):
+    for spelling in ("LOCAL", " Local"):  # as llmem_plugin.device.host.resolve_host_memory reads it
+        assert _key(*GPT2, "--host-memory", spelling) is None
+    fifo = tmp_path / "ds.json"
+    os.mkfifo(fifo)  # --deepspeed-config <(...): read once, different every time
+    assert _key(*GPT2, "--deepspeed-config", str(fifo)) is None
+
+
+def test_an_answer_marked_not_kept_is_not_kept(on, runs, capsys, monkeypatch):
+    """A plan whose search for changes failed part-way says so and is computed again next time."""
+    from llmem_plugin.trace import cache
+
+    real = app._run
+
+    def failing_search(args):
+        code = real(args)
+        cache.answer_not_kept()
+        return code
+
+    monkeypatch.setattr(app, "_run", failing_search)
+    run(capsys, *GPT2)
+    run(capsys, *GPT2)
+    assert runs == ["estimate", "estimate"]  # the second ran again
+    assert not [p for p in (on / "traces").glob("*/*.pkl") if b"resultcache" in p.read_bytes()[:400]]

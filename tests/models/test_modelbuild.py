@@ -114,7 +114,7 @@ def test_default_precision_works_for_the_model(name, expected):
     assert (why is None) == (expected == "bf16-mixed")
     # The builder's own check (grouped_mm takes bf16 weights on CUDA) accepts the default.
     one_layer = set_num_layers(catalog.load_config(name), 1)
-    build_model(one_layer, Workload(precision=precision))
+    build_model(one_layer, Workload(precision=precision, seq_len=1024))  # GPT-2 learns 1,024 positions
     if expected == "bf16":
         with pytest.raises(ConfigError, match="grouped_mm"):
             build_model(one_layer, Workload(precision="bf16-mixed"))
@@ -143,3 +143,23 @@ def test_home_relative_path(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     write(tmp_path, TINY)
     assert resolve_config("~/config.json").hidden_size == 64
+
+
+@pytest.mark.parametrize(("name", "limit", "table"), [
+    # Each published config's position table: GPT-2 n_positions 1024 (wpe); OPT max_position_embeddings 2048 in a
+    # table of 2050 rows (OPTLearnedPositionalEmbedding's offset 2); BART 1024 (offset 2); BERT 512; RoBERTa 514
+    # rows whose ids start after padding_idx 1 (create_position_ids_from_input_ids).
+    ("gpt2", 1024, "wpe"), ("opt-125m", 2048, "embed_positions"), ("bart-base", 1024, "embed_positions"),
+    ("bert-base-uncased", 512, "position_embeddings"), ("roberta-base", 512, "position_embeddings"),
+])
+def test_a_sequence_longer_than_the_learned_positions_is_refused(name, limit, table):
+    one_layer = set_num_layers(catalog.load_config(name), 1)
+    build_model(one_layer, Workload(seq_len=limit))
+    with pytest.raises(ConfigError, match=rf"seq_len {limit + 1} is longer than the {limit} positions .*{table}.*"
+                                          rf"HINT: use --seq-len {limit} or less"):
+        build_model(one_layer, Workload(seq_len=limit + 1))
+
+
+def test_rotary_positions_set_no_limit():
+    one_layer = set_num_layers(catalog.load_config("llama-3.2-1b"), 1)
+    build_model(one_layer, Workload(seq_len=4 * catalog.load_config("llama-3.2-1b").max_position_embeddings))

@@ -88,7 +88,7 @@ def test_a_limit_under_the_fixed_bytes_refuses_without_a_trace(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(methods, "_estimate_method", lambda *a, **k: calls.append(a[2]))
     fixed = fixed_bytes(get_gpu("h100-sxm"), Layout(num_gpus=2))
-    with pytest.raises(WontFitError, match="alone take .* no change of the job can fit") as e:
+    with pytest.raises(WontFitError, match="alone take .* no change of the job on 2 GPUs can fit") as e:
         plan(tiny_config("llama"), gpu="h100-sxm", gpu_memory=fixed, num_gpus=2, margin=0.05,
              workload=Workload(seq_len=32))
     p = e.value.plan
