@@ -30,13 +30,30 @@ from llmem_plugin.models.config import (
 )
 from llmem_plugin.workload import LoraSpec, Task, Workload
 
-__all__ = ["adapters_to", "build_model", "check_positions", "default_precision", "fakeify", "majority_dtype"]
+__all__ = ["adapters_to", "build_model", "check_positions", "default_precision", "fakeify", "majority_dtype",
+           "position_limit"]
 
 
 # The attribute names transformers gives a learned absolute position table: GPT-2 / GPT-Neo "wpe", BERT,
 # DistilBERT, RoBERTa "position_embeddings", BART / OPT / Whisper "embed_positions". A rotary or relative
 # model has none of them and no hard limit on the sequence.
 _POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
+
+
+def _position_tables(model: nn.Module):
+    """(name, module, usable rows) of each learned absolute position table (see :func:`check_positions`)."""
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding) or name.rsplit(".", 1)[-1] not in _POSITION_TABLES:
+            continue
+        offset = getattr(m, "offset", None)
+        if not isinstance(offset, int):
+            offset = m.padding_idx + 1 if m.padding_idx is not None else 0
+        yield name, m, m.num_embeddings - offset
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """The longest sequence the model's learned position tables hold (None: no such table)."""
+    return min((limit for _, _, limit in _position_tables(model)), default=None)
 
 
 def check_positions(model: nn.Module, workload: Workload) -> None:
@@ -51,13 +68,7 @@ def check_positions(model: nn.Module, workload: Workload) -> None:
         ConfigError: ``seq_len`` (or ``target_len``) is longer, with the model's limit.
     """
     longest = max(workload.seq_len, workload.target_len or 0)
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding) or name.rsplit(".", 1)[-1] not in _POSITION_TABLES:
-            continue
-        offset = getattr(m, "offset", None)
-        if not isinstance(offset, int):
-            offset = m.padding_idx + 1 if m.padding_idx is not None else 0
-        limit = m.num_embeddings - offset
+    for name, m, limit in _position_tables(model):
         if longest > limit:
             what = "target_len" if workload.target_len and workload.target_len > workload.seq_len else "seq_len"
             raise ConfigError(f"{what} {longest} is longer than the {limit} positions {type(model).__name__} learns "
