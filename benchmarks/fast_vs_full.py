@@ -123,7 +123,11 @@ def _default_vs_full(name: str, gc: bool) -> dict:
     source = _source(name)
     seq_len = SCAN_SEQ_LEN if name in ("mamba-130m", "jamba-v0.1", "recurrentgemma-2b") else SEQ_LEN
     # A learned position table holds fewer positions than SEQ_LEN (GPT-2 1,024, BERT 512): its longest.
-    seq_len = min(seq_len, position_limit(build_model(source, Workload(seq_len=8))) or seq_len)
+    try:
+        probe = build_model(source, Workload(seq_len=8))
+    except ConfigError:  # experts take bf16 only (as the warm-up below finds)
+        probe = build_model(source, Workload(seq_len=8, precision="bf16"))
+    seq_len = min(seq_len, position_limit(probe) or seq_len)
     kw = dict(seq_len=seq_len, batch_size=1, gpu_memory=CAPACITY, grad_checkpointing=gc)
     try:
         llmem_plugin.estimate(source, fast=True, **{**kw, "seq_len": 8})  # warm-up, and the precision check

@@ -35,7 +35,7 @@ __all__ = ["adapters_to", "build_model", "check_positions", "default_precision",
 
 
 # The attribute names transformers gives a learned absolute position table: GPT-2 / GPT-Neo "wpe", BERT,
-# DistilBERT, RoBERTa "position_embeddings", BART / OPT / Whisper "embed_positions". A rotary or relative
+# DistilBERT, RoBERTa "position_embeddings", BART / OPT "embed_positions". A rotary or relative
 # model has none of them and no hard limit on the sequence.
 _POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
 
@@ -64,16 +64,28 @@ def check_positions(model: nn.Module, workload: Workload) -> None:
     (BartLearnedPositionalEmbedding, OPTLearnedPositionalEmbedding), or less ``padding_idx + 1`` where the
     position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids).
 
+    A packed row (``packed_docs``) restarts its position ids at every document: its longest document
+    counts, not the row.
+
     Raises:
-        ConfigError: ``seq_len`` (or ``target_len``) is longer, with the model's limit.
+        ConfigError: ``seq_len`` (or ``target_len``, or a packed document) is longer, with the model's limit.
     """
     longest = max(workload.seq_len, workload.target_len or 0)
+    if workload.packed_docs is not None:  # the position ids restart at every document (techniques.packing)
+        from llmem_plugin.techniques.packing import doc_lengths
+
+        longest = max(doc_lengths(workload.micro_batch_size * workload.seq_len, workload.packed_docs))
     for name, m, limit in _position_tables(model):
         if longest > limit:
+            where = f"({name}: {m.num_embeddings} rows)"
+            if workload.packed_docs is not None:
+                raise ConfigError(f"a packed document of {longest} tokens is longer than the {limit} positions "
+                                  f"{type(model).__name__} learns {where}. HINT: pack more documents per row "
+                                  f"(--packed-docs), or shorten --seq-len")
             what = "target_len" if workload.target_len and workload.target_len > workload.seq_len else "seq_len"
             raise ConfigError(f"{what} {longest} is longer than the {limit} positions {type(model).__name__} learns "
-                              f"({name}: {m.num_embeddings} rows). HINT: use --{what.replace('_', '-')} {limit} or "
-                              "less, or a model with rotary positions")
+                              f"{where}. HINT: use --{what.replace('_', '-')} {limit} or less, or a model with "
+                              "rotary positions")
 
 
 def build_model(source: ModelSource, workload: Workload, *, device: str = "meta") -> nn.Module:

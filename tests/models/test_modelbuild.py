@@ -163,3 +163,11 @@ def test_a_sequence_longer_than_the_learned_positions_is_refused(name, limit, ta
 def test_rotary_positions_set_no_limit():
     one_layer = set_num_layers(catalog.load_config("llama-3.2-1b"), 1)
     build_model(one_layer, Workload(seq_len=4 * catalog.load_config("llama-3.2-1b").max_position_embeddings))
+
+
+def test_a_packed_row_counts_its_longest_document():
+    """Packed rows restart the position ids at each document (techniques.packing.packed_batch)."""
+    one_layer = set_num_layers(catalog.load_config("gpt2"), 1)
+    build_model(one_layer, Workload(seq_len=2048, packed_docs=2))  # two documents of 1,024
+    with pytest.raises(ConfigError, match="a packed document of 2048 tokens is longer than the 1024 positions"):
+        build_model(one_layer, Workload(seq_len=2048, packed_docs=1))
