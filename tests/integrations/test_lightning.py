@@ -225,7 +225,8 @@ def test_nothing_fits_aborts_before_any_optimizer_step(tmp_path):
     assert steps == [] and trainer.global_step == 0
     assert e.value.plan is not None and e.value.plan.choice is None
     assert e.value.plan.capacity_bytes == int(0.05 * 2**30)
-    assert "single" in str(e.value) and "GiB" in str(e.value)  # the report rides in the message
+    # The report rides in the message: 0.05 GiB is below what any method holds (the CUDA context alone).
+    assert "skipped every method" in str(e.value) and "GiB" in str(e.value)
 
 
 def test_nothing_fits_with_warn_trains_anyway(tmp_path):

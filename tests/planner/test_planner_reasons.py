@@ -95,9 +95,15 @@ def test_a_failing_suggestion_search_keeps_the_wont_fit_verdict(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
+    from llmem_plugin.device.gpus import get_gpu
+    from llmem_plugin.methods import Layout
+    from llmem_plugin.planner.bounds import fixed_bytes
+
     monkeypatch.setattr(planner, "_suggestions", broken)
+    # A limit 1 MiB above what every candidate holds (below it, no change is searched at all).
+    memory = int((fixed_bytes(get_gpu("h100-sxm"), Layout(num_gpus=1)) + 2**20) / 0.95) + 1
     with pytest.raises(WontFitError) as e:
-        plan(tiny_config("llama"), gpu="h100-sxm", gpu_memory=2**20, num_gpus=1, methods=["single"])
+        plan(tiny_config("llama"), gpu="h100-sxm", gpu_memory=memory, num_gpus=1, methods=["single"])
     msg = str(e.value)
     assert "no method fits" in msg and "the search for changes that fit failed (RuntimeError: boom)" in msg
     assert e.value.plan.suggestions == []

@@ -213,11 +213,13 @@ def test_ddp_traces_the_8bit_states_of_the_bitsandbytes_layout():
 
 
 def test_cli_estimate_with_a_paged_8bit_optimizer(capsys):
-    code = main(["estimate", "--model", "gpt2", "--optimizer", "paged-adamw8bit", "--fast", "--json"])
+    code = main(["estimate", "--model", "gpt2", "--seq-len", "1024", "--optimizer", "paged-adamw8bit", "--fast",
+                 "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
-    params = trainable(modelbuild.build_model("gpt2", Workload(optimizer="paged-adamw8bit"), device="meta"))
+    params = trainable(modelbuild.build_model("gpt2", Workload(optimizer="paged-adamw8bit", seq_len=1024),
+                                              device="meta"))
     # Every gpt2 matrix is above 1e5 elements: uint8 state1 + state2 in managed memory.
     assert data["paged_bytes"] == sum(2 * p.numel() for p in params if p.numel() >= 100_000) > 200 * 2**20
     outside = data["device_total_bytes"] - data["peak_reserved_bytes"] - data["paged_bytes"]
@@ -267,8 +269,8 @@ def test_without_bitsandbytes_a_real_step_is_refused_with_the_package_to_install
 
 
 def test_without_bitsandbytes_gpt2_is_estimated_with_an_8bit_optimizer(no_bitsandbytes):
-    est = estimate("gpt2", optimizer="adamw8bit", fast=True)
-    params = trainable(modelbuild.build_model("gpt2", Workload(optimizer="adamw8bit"), device="meta"))
+    est = estimate("gpt2", optimizer="adamw8bit", fast=True, seq_len=1024)  # GPT-2 learns 1,024 positions
+    params = trainable(modelbuild.build_model("gpt2", Workload(optimizer="adamw8bit", seq_len=1024), device="meta"))
     # every gpt2 matrix is above min_8bit_size: uint8 state1 + state2 and ceil(n / 256) fp32 absmax each
     big = [p for p in params if p.numel() >= 4096]
     states = sum(2 * round_allocation(p.numel()) + 2 * round_allocation(4 * math.ceil(p.numel() / 256)) for p in big)
