@@ -22,7 +22,7 @@ report itself is kept, under a key of everything the command reads:
   every file of this package (its code and its catalogs).
 
 A command whose answer depends on the machine it runs on is never kept:
-``plan`` without ``--gpus`` (it counts this machine's GPUs), ``--host-memory
+``plan`` without ``--gpus`` or ``--gpu`` (it counts this machine's GPUs), ``--host-memory
 local``, a ``--model`` that is neither a catalog name, a ``litgpt:`` name nor
 an existing path (a Hub id read from the local Hub cache), and commands that
 write files (``--plot``). Only answers are kept (exit 0, or 3 for "does not
@@ -207,8 +207,8 @@ def _machine_free(args) -> bool:
     host = getattr(args, "host_memory", None)
     if getattr(args, "plot", None) or (isinstance(host, str) and host.strip().lower() == "local"):
         return False  # the same test as llmem_plugin.device.host.resolve_host_memory's
-    if args.command == "plan" and getattr(args, "gpus", None) is None:
-        return False
+    if args.command == "plan" and getattr(args, "gpus", None) is None and getattr(args, "gpu", None) is None:
+        return False  # this machine's GPUs (llmem_plugin/cli/plan.py, _plan_target)
     model = getattr(args, "model", None)
     if model is None:
         return True

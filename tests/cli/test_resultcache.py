@@ -103,8 +103,10 @@ def test_machine_dependent_commands_are_not_kept(on, runs, capsys, tmp_path):
         run(capsys, *GPT2, "--host-memory", "local")  # reads this machine's RAM
     assert runs == ["estimate"] * 4
     parser = app.build_parser()
-    args = parser.parse_args(["plan", "--model", "gpt2", "--gpu", "h100-sxm"])  # counts this machine's GPUs
+    args = parser.parse_args(["plan", "--model", "gpt2"])  # counts this machine's GPUs (cli/plan._plan_target)
     assert resultcache.result_key(["plan"], ["plan"], args) is None
+    args = parser.parse_args(["plan", "--model", "gpt2", "--gpu", "h100-sxm"])  # one h100-sxm, wherever it runs
+    assert resultcache.result_key(["plan"], ["plan"], args) is not None
     args = parser.parse_args(["estimate", "--model", "someone/some-model"])  # a Hub id: the local Hub cache
     assert resultcache.result_key([], [], args) is None
 
