@@ -70,3 +70,11 @@ def no_bitsandbytes(monkeypatch):
     with pytest.raises(ImportError):
         import bitsandbytes  # noqa: F401
     yield
+
+
+@pytest.fixture
+def cache_on(monkeypatch, tmp_path):
+    """The trace and result caches turned on (the suite turns them off above), in a fresh folder."""
+    monkeypatch.setenv("LLMEM_NO_CACHE", "0")
+    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -267,19 +267,11 @@ def _terminal() -> list:
     return [console.is_terminal, console.color_system, console.width, sys.stdout.isatty(), rich_version]
 
 
-@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str | None]:
-    from importlib import metadata
+    """Python's and the traced libraries' versions (:func:`llmem_plugin.trace.cache.library_versions`)."""
+    from llmem_plugin.trace.cache import library_versions
 
-    from llmem_plugin.trace.cache import LIBRARIES
-
-    versions: dict[str, str | None] = {"python": sys.version}
-    for name in LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {"python": sys.version, **library_versions()}
 
 
 @functools.lru_cache(maxsize=1)

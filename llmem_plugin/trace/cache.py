@@ -50,7 +50,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BYTES", "LIBRARIES", "TraceCache", "answer_kept", "answer_not_kept", "cache_dir", "default_cache", "disabled", "make_key"]
+__all__ = ["DEFAULT_MAX_BYTES", "LIBRARIES", "TraceCache", "answer_kept", "answer_not_kept", "cache_dir", "default_cache",
+           "disabled", "library_versions", "make_key"]
 
 # The files' total size kept by default: a full 8B trace takes about 2 MiB, a 70B one about 20 MiB.
 DEFAULT_MAX_BYTES = 2 << 30
@@ -148,16 +149,22 @@ def _sdpa_switches() -> list[bool]:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> dict[str, Any]:
+def library_versions() -> dict[str, str | None]:
+    """The installed versions of :data:`LIBRARIES` (None: not installed)."""
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in LIBRARIES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"python": sys.version.split()[0], "versions": versions, "code": _code_digest()}
+    return versions
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> dict[str, Any]:
+    return {"python": sys.version.split()[0], "versions": library_versions(), "code": _code_digest()}
 
 
 def _code_digest() -> str:

@@ -21,11 +21,9 @@ GPT2 = ["estimate", "--model", "gpt2", "--seq-len", "64", "--precision", "bf16",
 
 
 @pytest.fixture
-def on(monkeypatch, tmp_path) -> Path:
-    """The cache turned on, in a fresh folder."""
-    monkeypatch.setenv("LLMEM_NO_CACHE", "0")
-    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def on(cache_on) -> Path:
+    """The caches turned on, in a fresh folder (tests/conftest.py)."""
+    return cache_on
 
 
 @pytest.fixture

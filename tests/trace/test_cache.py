@@ -22,11 +22,9 @@ estimate_module = importlib.import_module("llmem_plugin.estimate")  # the module
 
 
 @pytest.fixture
-def on(monkeypatch, tmp_path) -> Path:
-    """The cache turned on, in a fresh folder."""
-    monkeypatch.setenv("LLMEM_NO_CACHE", "0")
-    monkeypatch.setenv("LLMEM_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+def on(cache_on) -> Path:
+    """The caches turned on, in a fresh folder (tests/conftest.py)."""
+    return cache_on
 
 
 @pytest.fixture
