@@ -40,12 +40,14 @@ class TraceError(LLMemError):
 class WontFitError(LLMemError):
     """No configuration of the job fits the GPUs. ``plan`` carries the full
     report: every candidate with its per-GPU memory, the closest ones, and
-    the changes that were confirmed to make it fit (``plan.suggestions``).
-    The CLI exits with code 3 on it."""
+    the changes that were confirmed to make it fit (``plan.suggestions``);
+    ``report`` carries another search's result (``llmem max``: the points
+    estimated). The CLI exits with code 3 on it."""
 
-    def __init__(self, message: str, *, plan: Any = None) -> None:
+    def __init__(self, message: str, *, plan: Any = None, report: Any = None) -> None:
         super().__init__(message)
         self.plan = plan
+        self.report = report
 
 
 @contextlib.contextmanager

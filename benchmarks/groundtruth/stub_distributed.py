@@ -188,19 +188,22 @@ def _predicted_for(pred: dict[int, dict[str, int]], rank: int) -> tuple[dict[str
 
 
 def measure(config: StubConfig, rank: int, *, gpu: str = DEFAULT_GPU, timeout_s: float = 600.0,
-            noop_mode: bool = False) -> dict[str, Any]:
+            noop_mode: bool = False, capacity: int | None = None, extra: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     """Run one rank on the stub device; the worker's JSON (``error`` set on failure).
 
     Args:
+        capacity: Bytes the stub device hands out (``stubcuda/run --capacity``; default its memory).
+        extra: Spec fields beside the config's (``steps``, ``seq_lens``: :mod:`.stub_worker`).
         noop_mode: Run backward under a do-nothing ``TorchDispatchMode``, as
             the estimator's trace runs it (a diagnostic: autograd then sums a
             tensor's incoming gradients out of place, see the note).
     """
     from stubcuda import runner
 
-    spec = {**config.spec(rank), "noop_mode": noop_mode}
+    spec = {**config.spec(rank), "noop_mode": noop_mode, **(extra or {})}
     proc = runner.run_python(["-m", "benchmarks.groundtruth.stub_worker", json.dumps(spec)],
-                             gpu=gpu, timeout_s=timeout_s, cwd=_REPO_ROOT)
+                             gpu=gpu, capacity=capacity, timeout_s=timeout_s, cwd=_REPO_ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("{")]
     if not lines:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]

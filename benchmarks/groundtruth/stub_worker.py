@@ -211,7 +211,9 @@ _METHODS = {"single": _single, "ddp": _ddp, "fsdp": _fsdp, "tp": _tp, "lowlevel"
 
 
 # ---------------------------------------------------------------- the step
-def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
+def _loop(rank: _Rank, wl, *, vocab: int, steps: int, lengths: list[list[int]] | None = None) -> list[dict[str, int]]:
+    """``steps`` optimizer steps; ``lengths``: each micro-batch's padded length (variable-length batches,
+    ``llmem_plugin.techniques.varlen.step_lengths``), else ``wl.seq_len``."""
     import torch
 
     from llmem_plugin.trace.step import make_optimizer
@@ -223,8 +225,9 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int) -> list[dict[str, int]]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for step in range(1, steps + 1):
-        for _ in range(wl.grad_accum_steps):
-            input_ids = torch.randint(0, vocab, (wl.micro_batch_size, wl.seq_len), device="cuda", generator=gen)
+        for micro in range(wl.grad_accum_steps):
+            seq = lengths[step - 1][micro] if lengths is not None else wl.seq_len
+            input_ids = torch.randint(0, vocab, (wl.micro_batch_size, seq), device="cuda", generator=gen)
             labels = make_labels(model, input_ids, wl).to("cuda")  # the task's labels (llmem_plugin.models.tasks)
             extra = {k: v.to("cuda") for k, v in extra_inputs(model, input_ids, wl).items()}
             ctx = torch.autocast("cuda", dtype=dtype) if dtype is not None else _null()
@@ -290,7 +293,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         rank.noop_mode = bool(spec.get("noop_mode"))
         if spec.get("history"):
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-        steps = _loop(rank, wl, vocab=int(config.vocab_size), steps=spec.get("steps", 2))
+        steps = _loop(rank, wl, vocab=int(config.vocab_size), steps=spec.get("steps", 2), lengths=_lengths(spec, wl))
         history = _history() if spec.get("history") else None
     finally:
         dist.destroy_process_group()
@@ -298,6 +301,18 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if history is not None:
         out["history"] = history
     return out
+
+
+def _lengths(spec: dict[str, Any], wl) -> list[list[int]] | None:
+    """Each micro-batch's padded length where ``spec["seq_lens"]`` gives a sample-length distribution: drawn
+    as ``llmem_plugin.techniques.varlen.estimate_variable_length`` draws them (seed 0), ``wl.seq_len`` the
+    truncation."""
+    if spec.get("seq_lens") is None:
+        return None
+    from llmem_plugin.techniques.varlen import parse_lengths, step_lengths
+
+    return step_lengths(parse_lengths(spec["seq_lens"]), micro_batch_size=wl.micro_batch_size,
+                        grad_accum_steps=wl.grad_accum_steps, max_len=wl.seq_len, steps=spec.get("steps", 2))
 
 
 def _history() -> list[list[Any]]:

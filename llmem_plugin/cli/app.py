@@ -1,7 +1,7 @@
 """The ``llmem`` command line: the parser and the entry point.
 
 Each command is a parser function plus a command function, in a module of its
-own: :mod:`~llmem_plugin.cli.estimate`, :mod:`~llmem_plugin.cli.plan`,
+own: :mod:`~llmem_plugin.cli.estimate`, :mod:`~llmem_plugin.cli.plan`, :mod:`~llmem_plugin.cli.largest` (``max``),
 :mod:`~llmem_plugin.cli.catalog` (``models``, ``gpus``) and
 :mod:`~llmem_plugin.cli.validate`; the options they share are in
 :mod:`~llmem_plugin.cli.options`, ``--config`` in :mod:`~llmem_plugin.cli.config`.
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from llmem_plugin.cli.catalog import gpus_parser, models_parser
 from llmem_plugin.cli.config import check_config, with_config
 from llmem_plugin.cli.estimate import estimate_parser
+from llmem_plugin.cli.largest import max_parser
 from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT, Parser, check_args
 from llmem_plugin.cli.plan import plan_parser
 from llmem_plugin.cli.validate import validate_parser
@@ -28,8 +29,8 @@ __all__ = ["build_parser", "main"]
 
 _EXIT_CODES = (
     "exit codes: 0 success (estimate: the step fits); 2 bad input, one line on stderr naming the value and the "
-    "fix; 3 does not fit (estimate: the step or no method fits the GPU; plan: no method fits), the report is "
-    "still printed"
+    "fix; 3 does not fit (estimate: the step or no method fits the GPU; plan: no method fits; max: not even the "
+    "smallest value fits), the report is still printed"
 )
 
 
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     estimate_parser(sub)
     plan_parser(sub)
+    max_parser(sub)
     models_parser(sub)
     validate_parser(sub)
     gpus_parser(sub)

@@ -34,7 +34,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def with_config(argv: list[str]):
     """``argv`` with the ``--config`` file's options put before the user's (so the user's win), and the recipe."""
     Parser.origins = {}
-    if not argv or argv[0] not in ("estimate", "plan"):
+    if not argv or argv[0] not in ("estimate", "plan", "max"):
         return argv, None
     path = fmt = None
     for i, a in enumerate(argv):
@@ -57,7 +57,9 @@ def with_config(argv: list[str]):
     typed = {a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")}  # the user's own, named as such
     Parser.origins = {m.option.split(" ")[0]: f"{os.path.basename(recipe.path)}: {m.key}"
                        for m in recipe.mapped if m.option and m.option.split(" ")[0] not in typed}
-    return [argv[0], *command_argv(recipe, argv[0], argv[1:]), *argv[1:]], recipe
+    # `llmem max` takes the job as `estimate` does.
+    command = "estimate" if argv[0] == "max" else argv[0]
+    return [argv[0], *command_argv(recipe, command, argv[1:]), *argv[1:]], recipe
 
 
 def check_config(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ from llmem_plugin.cli.options import (
     target_gpu,
 )
 
-__all__ = ["estimate_command", "estimate_parser"]
+__all__ = ["add_method_args", "estimate_command", "estimate_parser"]
 
 
 def estimate_parser(sub) -> None:
@@ -41,10 +41,29 @@ def estimate_parser(sub) -> None:
     add_config_args(p)
     add_workload_args(p)
     add_target_args(p)
+    add_method_args(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
+    g.add_argument("--full", action="store_true",
+                   help="trace the whole model (default: the step's stream is built from two shortened copies "
+                        "where that is exact and cheaper: on one GPU, and for --method zero3 where DeepSpeed's "
+                        "windows stay inside a layer; the report names the path)")
+    add_cache_arg(g)
+    g.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
+    g.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_host_arg(p)
+    p.set_defaults(func=estimate_command)
+
+
+def add_method_args(p: argparse.ArgumentParser, *, one: bool = False) -> None:
+    """The distributed method and its cluster (``llmem estimate``, ``llmem max``); ``one``: a single method
+    (``all`` is not offered)."""
     g = p.add_argument_group("distributed method")
     g.add_argument("--method", default=None,
-                   help="distributed method (`--method help` lists them), or 'all' for every one that "
-                        "applies (the default when --gpus/--tp/--nodes/--offload is given); default: one GPU")
+                   help="distributed method (`--method help` lists them)" + ("; default: one GPU" if one else
+                        ", or 'all' for every one that applies (the default when --gpus/--tp/--nodes/--offload "
+                        "is given); default: one GPU"))
     g.add_argument("--gpus", type=GPUS, default=None, help="world size: GPUs over all nodes (default 1)")
     g.add_argument("--nodes", type=NODES, default=1, help="nodes (default 1)")
     g.add_argument("--tp", type=TP, default=None, help="tensor-parallel degree, inside a node (default 1)")
@@ -70,18 +89,6 @@ def estimate_parser(sub) -> None:
     g.add_argument("--pp-split", default=None, metavar="SPLIT",
                    help="pipeline methods: decoder layers per stage, 'torchtitan' (default), 'colossalai', or "
                         "counts such as 8,9,8,7")
-    g = p.add_argument_group("output")
-    g.add_argument("--fast", action="store_true", help="trace a few layers and extrapolate to full depth")
-    g.add_argument("--full", action="store_true",
-                   help="trace the whole model (default: the step's stream is built from two shortened copies "
-                        "where that is exact and cheaper: on one GPU, and for --method zero3 where DeepSpeed's "
-                        "windows stay inside a layer; the report names the path)")
-    add_cache_arg(g)
-    g.add_argument("--plot", default=None, metavar="FILE",
-                   help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
-    g.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    add_host_arg(p)
-    p.set_defaults(func=estimate_command)
 
 
 def estimate_command(args: argparse.Namespace) -> int:

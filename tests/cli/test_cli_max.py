@@ -1,0 +1,45 @@
+"""`llmem max`: the answer and its curve, JSON, and the exit codes of bad input and of a job that never fits."""
+
+from __future__ import annotations
+
+import json
+
+from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
+from llmem_plugin.estimate import estimate
+
+from ._run import run
+
+
+def test_max_batch_prints_the_curve_and_the_answer_estimate_agrees_with(capsys):
+    code, out, err = run(capsys, "max", "batch-size", "--model", "llama-3.2-1b", "--seq-len", "512",
+                         "--gpu-memory", "40GiB", "--headroom", "0", "--json")
+    assert code == 0, err
+    (r,) = json.loads(out)["results"]
+    assert r["next_value"] == r["value"] + 1
+    # Independently, at the answer and one above (the CLI's default precision: bf16-mixed).
+    fits = [estimate("llama-3.2-1b", gpu_memory="40GiB", seq_len=512, micro_batch_size=b,
+                     precision="bf16-mixed").fits for b in (r["value"], r["value"] + 1)]
+    assert fits == [True, False]
+
+
+def test_a_job_that_never_fits_exits_3_with_one_line(capsys):
+    code, out, err = run(capsys, "max", "batch-size", "--model", "llama-3.1-8b", "--seq-len", "512",
+                         "--gpu", "a100-80gb")
+    assert code == EXIT_WONT_FIT
+    lines = [ln for ln in err.splitlines() if ln.startswith("llmem:")]
+    assert len(lines) == 1 and "even --batch-size 1 does not fit" in lines[0] and "Traceback" not in err
+    assert "nothing fits" in out
+
+
+def test_bad_input_exits_2_naming_the_value(capsys):
+    for argv, said in (
+        (["--headroom", "1.5"], "headroom 1.5"),
+        (["--headroom", "90GiB"], "leaves nothing"),
+        (["--method", "all"], "--method all names none"),
+        (["--gpus", "2"], "without --method names none"),
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--multiple-of", "0"], "--multiple-of 0"),
+    ):
+        code, out, err = run(capsys, "max", "batch-size", "--model", "llama-3.2-1b", *argv)
+        assert code == EXIT_BAD_INPUT, (argv, err)
+        assert said in err and len(err.strip().splitlines()) == 1, (argv, err)
