@@ -24,7 +24,7 @@ from llmem_plugin.device.gpus import GPU, get_gpu, match_device_name, size_bytes
 from llmem_plugin.verify.meter import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
 
-__all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "live_model",
+__all__ = ["FIRST_STEADY_STEP", "Check", "LiveModel", "batch_dims", "check", "choose", "compare_step", "largest_batch", "live_model",
            "not_checked_line", "precision_of", "report_text", "resolve_target", "validate_target"]
 
 
@@ -368,6 +368,26 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
         fits = all(r.fits for r in est.ranks) and est.worst.device_total_bytes <= limit
     return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
                  report=report_text(est, gpu=target), host_fits=host_fits)
+
+
+def largest_batch(live: LiveModel, workload: Workload, *, method: str = "single", num_gpus: int = 1,
+                  num_nodes: int = 1, gpu: GPU, gpu_memory: int | None = None, headroom: float | int | str,
+                  options: dict[str, Any] | None = None, limit: int | None = None) -> Any:
+    """The largest micro-batch of ``live`` that fits (:func:`llmem_plugin.planner.largest.max_batch_size`),
+    searched from ``workload.micro_batch_size``; the :class:`~llmem_plugin.planner.largest.MaxResult`.
+
+    Raises:
+        WontFitError: Not even one row fits.
+    """
+    from llmem_plugin.methods.layout import Layout
+    from llmem_plugin.planner.largest import DEFAULT_BATCH_LIMIT, max_batch_size
+
+    if live.lora is not None and workload.lora is not None and live.quant is None:
+        workload = dataclasses.replace(workload, lora=None)  # the live module holds its adapters (as check)
+    target = dataclasses.replace(gpu, memory_bytes=gpu_memory, driver_memory_bytes=None) if gpu_memory else gpu
+    return max_batch_size(live.module, workload, gpu=target, headroom=headroom, method=method,
+                          layout=Layout(num_gpus=num_gpus, num_nodes=num_nodes), options=options,
+                          limit=limit or DEFAULT_BATCH_LIMIT)
 
 
 def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | None, num_gpus: int,

@@ -42,7 +42,7 @@ from llmem_plugin.methods.zero import deepspeed_method, read_deepspeed_config
 from llmem_plugin.verify.meter import DEFAULT_TOLERANCE_PCT, PeakMeter, append_row, compare
 from llmem_plugin.workload import Precision, Workload
 
-__all__ = ["LLMemCallback", "autoconfigure", "job_of"]
+__all__ = ["LLMemCallback", "autoconfigure", "job_of", "largest_batch"]
 
 log = logging.getLogger("llmem_plugin.hf")
 
@@ -280,6 +280,13 @@ class LLMemCallback(TrainerCallback):
             ``<output_dir>/llmem-verify.jsonl``; ``False`` writes none.
         strict: Stop the job (raise) when it cannot be checked; by default
             the callback warns once and training goes on unchecked.
+        find_batch_size: Set ``per_device_train_batch_size`` to the largest
+            that fits the GPU less ``headroom`` at the end of the Trainer's
+            ``__init__`` (:func:`largest_batch`; needs ``seq_len``), before
+            ``train()`` builds its DataLoader: the estimate's answer instead of
+            ``auto_find_batch_size``'s out-of-memory trials.
+        headroom: Memory kept free for ``find_batch_size`` (a fraction or a
+            size; default :data:`llmem_plugin.planner.largest.DEFAULT_HEADROOM`).
 
     The comparison waits for the first steady-state step (step 2,
     :data:`~llmem_plugin.integrations._common.FIRST_STEADY_STEP`): the
@@ -290,12 +297,15 @@ class LLMemCallback(TrainerCallback):
         check: The :class:`~llmem_plugin.integrations._common.Check` made
             before the first step (None until then, or when it was skipped).
         comparison: The :class:`~llmem_plugin.verify.meter.Comparison` (None until made).
+        batch_size_result: With ``find_batch_size``: the
+            :class:`~llmem_plugin.planner.largest.MaxResult` (None until made).
     """
 
     def __init__(self, on_wont_fit: str = "abort", margin: float = 0.05, compare_after_steps: int = 3,
                  seq_len: int | None = None, gpu: Any = None, gpu_memory: int | str | None = None, *,
                  tolerance_pct: float = DEFAULT_TOLERANCE_PCT, record_file: str | bool | None = None,
-                 strict: bool = False) -> None:
+                 strict: bool = False, find_batch_size: bool = False,
+                 headroom: float | int | str | None = None) -> None:
         if on_wont_fit not in ("abort", "warn"):
             raise ConfigError(f"on_wont_fit must be 'abort' or 'warn', got {on_wont_fit!r}")
         if not 0 <= margin < 1:
@@ -308,6 +318,15 @@ class LLMemCallback(TrainerCallback):
             raise ConfigError(f"strict must be True or False, got {strict!r}. HINT: strict=True stops a job that "
                               "cannot be checked")
         _common.validate_target(gpu, gpu_memory)  # a bad value stops at once, not at the first step
+        if find_batch_size and seq_len is None:
+            raise ConfigError("find_batch_size=True sets the batch size before the DataLoader is built, before "
+                              "any batch is seen. HINT: pass LLMemCallback(find_batch_size=True, seq_len=...)")
+        from llmem_plugin.planner.largest import DEFAULT_HEADROOM, headroom_bytes
+
+        self.headroom = DEFAULT_HEADROOM if headroom is None else headroom
+        headroom_bytes(self.headroom, 2**50)  # a bad spelling stops here
+        self.find_batch_size = find_batch_size
+        self.batch_size_result = None
         self.strict = strict
         self.on_wont_fit = on_wont_fit
         self.margin = margin
@@ -328,6 +347,33 @@ class LLMemCallback(TrainerCallback):
         self._warned = False
 
     # ----------------------------------------------------------- before training
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        """With ``find_batch_size``: set ``per_device_train_batch_size`` to the largest that fits, at the end of
+        ``Trainer.__init__``, and the Trainer's ``_train_batch_size``, which ``__init__`` copied from
+        ``args.train_batch_size`` just before this event and ``train()`` builds its DataLoader from
+        (transformers trainer.py): no step runs at another size."""
+        if not self.find_batch_size:
+            return control
+        try:
+            target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+            self.batch_size_result = largest_batch(model, args, seq_len=self.seq_len, gpu=target, gpu_memory=memory,
+                                                   headroom=self.headroom)
+        except WontFitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
+            self._not_checked(e, "the batch size stays as given; pass LLMemCallback(gpu='h100-sxm') (any name "
+                                 "`llmem gpus` lists) to size it for that GPU")
+            return control
+        r = self.batch_size_result
+        args.per_device_train_batch_size = r.value
+        trainer = _find_trainer()
+        if trainer is not None:  # __init__ copied args.train_batch_size just before on_init_end; train() reads it
+            trainer._train_batch_size = args.train_batch_size
+        log.info("llmem: per_device_train_batch_size=%d, the largest that fits (%s does not) on %s, limit %.2f GiB "
+                 "after %.2f GiB headroom; from %d estimates, no trial step", r.value, r.next_value, r.gpu,
+                 r.limit_bytes / 2**30, r.headroom_bytes / 2**30, len(r.points))
+        return control
+
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._args, self._optimizer, self._steps = args, optimizer, 0
         self.check, self.comparison = None, None
@@ -453,6 +499,41 @@ class LLMemCallback(TrainerCallback):
             run = os.path.basename(os.path.normpath(self._args.output_dir)) or "run"
             append_row(path, self.comparison.to_row(run_id=f"{run}-{self.check.prediction.method}",
                                                     runner="hf-trainer", rank=rank))
+
+
+def largest_batch(model: Any, training_args: Any, *, seq_len: int, gpu: Any = None, gpu_memory: Any = None,
+                  headroom: float | int | str | None = None) -> Any:
+    """The largest ``per_device_train_batch_size`` of the job ``training_args`` describe that fits the GPU
+    (:func:`llmem_plugin.planner.largest.max_batch_size`, per rank for DDP, ZeRO and FSDP); nothing is changed.
+
+    Args:
+        model: The model the Trainer trains (real or meta).
+        training_args: Its ``TrainingArguments``; the search starts at its ``per_device_train_batch_size``.
+        seq_len: Tokens per sequence of the training data.
+        gpu, gpu_memory: The GPU (catalog name) and an optional capacity; default this process's CUDA device.
+        headroom: Memory kept free (fraction or size; default ``DEFAULT_HEADROOM``).
+
+    Returns:
+        The :class:`~llmem_plugin.planner.largest.MaxResult`.
+
+    Raises:
+        WontFitError: Not even one row fits.
+        ConfigError, UnsupportedError: As the callback's check.
+    """
+    from llmem_plugin.planner.largest import DEFAULT_HEADROOM
+
+    if isinstance(gpu, str) or gpu is None:
+        gpu, memory = _common.resolve_target(gpu, gpu_memory)
+    else:
+        memory = gpu_memory
+    live = _common.live_model(model)
+    job = job_of(training_args)
+    wl = _workload(training_args, live, int(training_args.per_device_train_batch_size), seq_len)
+    source, wl = _unpartitioned(live, wl)
+    with _real_process_group_set_aside(), _hf_zero3_init_off():
+        return _common.largest_batch(source, wl, method=job.method, num_gpus=job.num_gpus, num_nodes=job.num_nodes,
+                                     gpu=gpu, gpu_memory=memory, options=job.options,
+                                     headroom=DEFAULT_HEADROOM if headroom is None else headroom)
 
 
 def autoconfigure(model: Any, training_args: Any, cluster: dict[str, Any] | None = None, *, seq_len: int,

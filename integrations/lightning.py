@@ -34,8 +34,10 @@ from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError, WontF
 __all__ = [
     "STRATEGY_NAME",
     "LLMemAutoStrategy",  # noqa: F822 - built on first access (module __getattr__), Lightning loads then
+    "LLMemBatchSizeFinder",  # noqa: F822 - as LLMemAutoStrategy
     "install_import_hook",
     "lightning_strategy",
+    "finder_class",
     "methods_for",
     "register",
     "strategy_class",
@@ -642,6 +644,151 @@ def _meter_callback(package: str) -> type:
     return _CLASSES[key]
 
 
+# ----------------------------------------------------------------------------- the batch size finder
+
+# Lightning's strategies by class name -> the estimator's method (one GPU: single).
+_FINDER_METHODS = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "SingleDeviceStrategy": "single"}
+
+
+class _FinderMixin:
+    """The behaviour of :class:`LLMemBatchSizeFinder`, shared by both Lightning packages."""
+
+    _package = "lightning.pytorch"
+
+    def __init__(self, mode: str = "power", steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25,
+                 batch_arg_name: str = "batch_size", margin: float = 0.05, max_val: int = 8192, *,
+                 headroom: float | int | str | None = None, seq_len: int | None = None, gpu: Any = None,
+                 gpu_memory: int | str | None = None, strict: bool = False) -> None:
+        from llmem_plugin.integrations import _common
+        from llmem_plugin.planner.largest import DEFAULT_HEADROOM, headroom_bytes
+
+        if str(mode).lower() not in ("power", "binsearch"):
+            raise ValueError("`mode` should be either of ('power', 'binsearch')")  # BatchSizeFinder's check
+        if not 0.0 <= margin < 1.0:
+            raise ConfigError(f"margin must be in [0, 1), got {margin!r}: the fraction the found size is reduced "
+                              "by, as BatchSizeFinder's")
+        for name, value in (("init_val", init_val), ("max_val", max_val)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+            raise ConfigError(f"seq_len must be a positive integer, got {seq_len!r}")
+        self.headroom = DEFAULT_HEADROOM if headroom is None else headroom
+        headroom_bytes(self.headroom, 2**50)  # a bad spelling stops here, not at fit
+        _common.validate_target(gpu, gpu_memory)
+        super().__init__()
+        self.optimal_batch_size: int | None = init_val
+        self.result: Any = None
+        self._mode, self._steps_per_trial, self._max_trials = mode, steps_per_trial, max_trials
+        self._init_val, self._batch_arg_name, self._margin, self._max_val = init_val, batch_arg_name, margin, max_val
+        self.seq_len, self.gpu, self.gpu_memory, self.strict = seq_len, gpu, gpu_memory, strict
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        parsing = importlib.import_module(f"{self._package}.utilities.parsing")
+        if not trainer.fit_loop._data_source.is_module():
+            raise ConfigError("LLMemBatchSizeFinder sets the batch size the LightningModule or LightningDataModule "
+                              "builds its DataLoader with; dataloaders passed to fit() cannot change. HINT: build "
+                              "the DataLoader in train_dataloader() from self.batch_size")
+        if not parsing.lightning_hasattr(pl_module, self._batch_arg_name):
+            raise ConfigError(f"Field {self._batch_arg_name} not found in `model`, `datamodule`, nor their `hparams` "
+                              "attributes. HINT: pass batch_arg_name= with the attribute your DataLoader reads")
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Before the fit loop builds its DataLoader: estimate, set the batch size; never a trial step."""
+        parsing = importlib.import_module(f"{self._package}.utilities.parsing")
+        try:
+            result = self._largest(trainer, pl_module)
+        except WontFitError:
+            raise  # not even one row fits: the first step would run out of memory
+        except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
+            if self.strict:
+                raise
+            from llmem_plugin.integrations import _common
+
+            line = _common.not_checked_line("LLMemBatchSizeFinder", e, "the batch size is left as it is")
+            warnings.warn(line, stacklevel=2)
+            log.info(line)
+            return
+        found = min(result.value, self._max_val)
+        size = max(1, int(found * (1 - self._margin)))  # BatchSizeFinder's margin: the found size less margin
+        parsing.lightning_setattr(pl_module, self._batch_arg_name, size)
+        self.optimal_batch_size, self.result = size, result
+        text = (f"LLMemBatchSizeFinder: {self._batch_arg_name}={size} (the largest that fits is {result.value}, "
+                f"{result.next_value} does not; {result.gpu} limit {result.limit_bytes / 2**30:.2f} GiB after "
+                f"{result.headroom_bytes / 2**30:.2f} GiB headroom; margin {self._margin:g}), from "
+                f"{len(result.points)} estimates, no trial step")
+        log.info(text)
+        importlib.import_module(f"{self._package}.utilities").rank_zero_info(text)
+
+    def _largest(self, trainer: Any, pl_module: Any) -> Any:
+        from llmem_plugin.integrations import _common
+        from llmem_plugin.workload import Workload
+
+        gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+        live = _common.live_model(pl_module)
+        seq_len = self.seq_len
+        if seq_len is None:
+            dims = _common.batch_dims(_first_batch(trainer))
+            if dims is None:
+                raise LLMemError("the training batch has no input_ids to read its length from. HINT: pass "
+                                 "LLMemBatchSizeFinder(seq_len=...)")
+            seq_len = dims[1]
+        kind = _optimizer_kind(_first_optimizer(pl_module))
+        if kind is None:
+            raise LLMemError("the optimizer is not modelled (torch.optim AdamW, SGD and Adafactor are)")
+        world = int(trainer.world_size)
+        method = _FINDER_METHODS.get(type(trainer.strategy).__name__)
+        if method is None or (method == "single") != (world == 1):
+            raise LLMemError(f"strategy {type(trainer.strategy).__name__} on {world} device(s) is not searched "
+                             "(single device, DDP and FSDP are)")
+        attn = getattr(live.config, "_attn_implementation", None)
+        wl = Workload(seq_len=seq_len, micro_batch_size=self._init_val,
+                      grad_accum_steps=int(trainer.accumulate_grad_batches),
+                      precision=_precision(trainer, live.param_dtype), optimizer=kind,
+                      grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
+                      attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="lightning",
+                      **({"lora": live.lora, **live.quant} if live.quant else {}))
+        return _common.largest_batch(live, wl, method=method, num_gpus=world, num_nodes=int(trainer.num_nodes),
+                                     gpu=gpu, gpu_memory=memory, headroom=self.headroom, limit=self._max_val + 1)
+
+
+def finder_class(package: str = "lightning.pytorch") -> type:
+    """:class:`LLMemBatchSizeFinder` for ``package`` (a Lightning Callback)."""
+    key = (package, "finder")
+    if key not in _CLASSES:
+        pl = importlib.import_module(package)
+        _CLASSES[key] = type("LLMemBatchSizeFinder", (_FinderMixin, pl.Callback), {
+            "__module__": __name__, "_package": package, "__doc__": _FINDER_DOC})
+    return _CLASSES[key]
+
+
+_FINDER_DOC = """Lightning's ``BatchSizeFinder`` without out-of-memory trials: the largest batch that fits, estimated.
+
+Takes BatchSizeFinder's arguments and attribute rules: ``batch_arg_name`` is
+found on the LightningModule, its ``hparams``, the datamodule or its
+``hparams`` (``lightning_hasattr``) and set there with ``lightning_setattr``
+at ``on_fit_start``, before the fit loop builds its DataLoader; the found size
+is reduced by ``margin`` and capped at ``max_val`` as BatchSizeFinder does.
+``mode``, ``steps_per_trial`` and ``max_trials`` have nothing to do: no step
+runs to find the size. ``init_val`` is where the search starts.
+
+Args:
+    headroom: GPU memory kept free (fraction or size; default
+        :data:`llmem_plugin.planner.largest.DEFAULT_HEADROOM`).
+    seq_len: Tokens per sequence; default the first training batch's.
+    gpu, gpu_memory: The GPU to size for; default this process's CUDA device.
+    strict: Raise when the estimate cannot run; by default warn once and
+        leave the batch size as it is.
+
+Attributes:
+    optimal_batch_size: The size set.
+    result: The :class:`~llmem_plugin.planner.largest.MaxResult`.
+
+Known limitations:
+    Single device, DDP and FSDP (estimated as FSDP2 per decoder layer).
+    Raises WontFitError when not even one row fits.
+"""
+
+
 _STRATEGY_DOC = """Plan at ``fit`` and train with the real Lightning strategy of the choice.
 
 Args:
@@ -672,4 +819,6 @@ Known limitations:
 def __getattr__(name: str) -> Any:
     if name == "LLMemAutoStrategy":  # the lightning.pytorch class, built on first use
         return strategy_class("lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning")
+    if name == "LLMemBatchSizeFinder":
+        return finder_class("lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from llmem_plugin.estimate import Estimate, estimate
     from llmem_plugin.device.gpus import GPU, get_gpu
     from llmem_plugin.planner.candidates import Candidate, Plan
+    from llmem_plugin.planner.largest import MaxResult, max_batch_size, max_seq_len
     from llmem_plugin.planner.search import plan
     from llmem_plugin.trace.tracker import MemoryCategory, Phase
     from llmem_plugin.workload import AttentionImpl, LoraSpec, OptimizerKind, Precision, Workload
@@ -27,6 +28,9 @@ _LAZY = {
     "Candidate": "planner.candidates",
     "Plan": "planner.candidates",
     "plan": "planner.search",
+    "MaxResult": "planner.largest",
+    "max_batch_size": "planner.largest",
+    "max_seq_len": "planner.largest",
     "MemoryCategory": "trace.tracker",
     "Phase": "trace.tracker",
     "AttentionImpl": "workload",
@@ -63,6 +67,9 @@ __all__ = [
     "Estimate",
     "plan",
     "Plan",
+    "max_batch_size",
+    "max_seq_len",
+    "MaxResult",
     "Candidate",
     "GPU",
     "get_gpu",
