@@ -50,6 +50,13 @@ CASES = [
     ("8b-method-all", ["estimate", "--model", "llama-3.1-8b", "--grad-checkpointing", "--method", "all", "--gpus",
                        "8", "--gpu", "h100-sxm"], "off", 1),
     ("help", ["--help"], "off", None),
+    # `llmem max` (issue 48): its cost against full 8B traces on the same GPU (target: at most 3 of them).
+    ("max-8b", ["max", "batch-size", "--model", "llama-3.1-8b", "--gpu", "a100-80gb"], "off", None),
+    ("max-8b-lora", ["max", "batch-size", "--model", "llama-3.1-8b", "--lora-rank", "16", "--gpu", "a100-80gb"],
+     "off", None),
+    ("8b-full-a100", ["estimate", "--model", "llama-3.1-8b", "--full", "--gpu", "a100-80gb"], "off", None),
+    ("8b-lora-full-a100", ["estimate", "--model", "llama-3.1-8b", "--lora-rank", "16", "--full", "--gpu",
+                           "a100-80gb"], "off", None),
 ]
 
 
