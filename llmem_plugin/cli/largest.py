@@ -52,6 +52,8 @@ def max_parser(sub) -> None:
     g.add_argument("--at-lens", default=None, metavar="L1,L2,...",
                    help="table: the sequence lengths (default 512,1024,2048,4096,8192 up to the context length)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
+    g.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the memory curve the search estimated to FILE (png, svg, pdf)")
     p.set_defaults(func=max_command)
 
 
@@ -81,6 +83,10 @@ def max_command(args: argparse.Namespace) -> int:
     except WontFitError as e:
         _show(args, [e.report])
         raise
+    if args.plot:
+        from llmem_plugin.cli.plot import plot_curve
+
+        plot_curve(results, args.plot)
     _show(args, results)
     if all(r.value == 0 for r in results):
         print(f"llmem: even one row does not fit at any of the lengths; exit code {EXIT_WONT_FIT}. HINT: `llmem "

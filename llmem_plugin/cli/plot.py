@@ -309,3 +309,45 @@ def _draw_plan(
     ax.set_axisbelow(True)
     ax.figure.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), frameon=False,
                      fontsize=8)
+
+
+def plot_curve(results: Sequence[Any], path: str | os.PathLike[str]) -> None:
+    """Draw ``llmem max``'s memory curve: the device total at each value estimated, the limit, the answer.
+
+    Args:
+        results: :class:`~llmem_plugin.planner.largest.MaxResult` s of one search, or of a table (one line
+            per sequence length).
+        path: Where to write the image; the suffix (png, svg, pdf) sets the format.
+
+    Raises:
+        ConfigError: No results, an unknown suffix, or matplotlib is missing.
+    """
+    fmt = _format_of(path)
+    if not results:
+        raise ConfigError("plot_curve got no results to draw. HINT: pass the MaxResult of a search")
+
+    def draw(ax: Any) -> None:
+        first = results[0]
+        for r in results:
+            exact = [p for p in r.points if p.exact]
+            label = f"seq-len {r.fixed}" if len(results) > 1 else "device total (the full trace's figures)"
+            line = ax.plot([p.value for p in exact], [p.device_total_bytes / _GiB for p in exact], "o-",
+                           label=label)[0]
+            fast = [p for p in r.points if not p.exact]
+            if fast:
+                ax.plot([p.value for p in fast], [p.device_total_bytes / _GiB for p in fast], "x",
+                        color=line.get_color(), label="fast mode (bracket only)" if r is first else None)
+            if r.value:
+                ax.axvline(r.value, color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(first.limit_bytes / _GiB, color=_CAPACITY_COLOR, linestyle="--",
+                   label=f"limit {_size(first.limit_bytes)} ({_size(first.headroom_bytes)} headroom)")
+        ax.axhline(first.capacity_bytes / _GiB, color=_CAPACITY_COLOR, linewidth=1, label="capacity")
+        what = "micro-batch" if first.what == "batch_size" else "sequence length"
+        ax.set_xlabel(what)
+        ax.set_ylabel("GiB per GPU")
+        where = first.gpu if first.method == "single" else f"{first.method} worst rank, {first.num_gpus} x {first.gpu}"
+        answers = ", ".join(str(r.value) for r in results)
+        ax.set_title(f"largest {what} that fits ({where}): {answers}", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8)
+
+    _render((_PLAN_WIDTH_IN * 0.7, 4.2), draw, path, fmt)

@@ -222,9 +222,11 @@ class _Job:
         m = estimate_method(self.method, self.model, wl, layout=self.layout, gpu=self.gpu,
                             alloc_conf=self.alloc_conf, torch_version=self.torch_version, **kw)
         w = m.worst
+        # Fast mode traces the whole model where it cannot be shortened: its figures are then the full trace's.
+        extrapolated = any(n.startswith("fast:") for n in m.notes) or self.method.startswith("pp")
         return MaxPoint(value=value, device_total_bytes=w.device_total_bytes,
                         peak_allocated_bytes=w.peak_allocated_bytes, peak_reserved_bytes=w.peak_reserved_bytes,
-                        fits=all(r.fits for r in m.ranks), exact=exact, rank=w.rank)
+                        fits=all(r.fits for r in m.ranks), exact=exact or not extrapolated, rank=w.rank)
 
     @property
     def has_fast_mode(self) -> bool:
@@ -241,6 +243,9 @@ class _Search:
 
     def at(self, k: int, exact: bool) -> MaxPoint:
         key = (k, exact)
+        fast = self.points.get((k, False))
+        if exact and key not in self.points and fast is not None and fast.exact:
+            self.points[key] = fast  # the fast estimate was the full trace's (a model too short to shorten)
         if key not in self.points:
             self.points[key] = self.probe(k * self.step, exact)
         return self.points[key]
@@ -357,7 +362,7 @@ def _largest(job: _Job, what: str, *, capacity: int, room: int, multiple_of: int
 def _result(job: _Job, what: str, search: _Search, lo: int, hi: int | None, *, capacity: int, room: int,
             capped_by: str | None, t0: float) -> MaxResult:
     other = job.workload.seq_len if what == "batch_size" else job.workload.micro_batch_size
-    points = sorted(search.points.values(), key=lambda p: (p.value, p.exact))
+    points = sorted({id(p): p for p in search.points.values()}.values(), key=lambda p: (p.value, p.exact))
     return MaxResult(what=what, value=lo * search.step, next_value=None if hi is None else hi * search.step,
                      capped_by=capped_by, gpu=job.gpu.name, capacity_bytes=capacity, headroom_bytes=room,
                      limit_bytes=capacity - room, method=job.method, num_gpus=job.layout.num_gpus, fixed=other,

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from llmem_plugin.cli.options import EXIT_BAD_INPUT, EXIT_WONT_FIT
 from llmem_plugin.estimate import estimate
 
 from ._run import run
+
+_TINY = str(Path(__file__).resolve().parents[2] / "benchmarks" / "tiny-llama-2l.json")
 
 
 def test_max_batch_prints_the_curve_and_the_answer_estimate_agrees_with(capsys):
@@ -43,3 +48,14 @@ def test_bad_input_exits_2_naming_the_value(capsys):
         code, out, err = run(capsys, "max", "batch-size", "--model", "llama-3.2-1b", *argv)
         assert code == EXIT_BAD_INPUT, (argv, err)
         assert said in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_plot_writes_the_curve(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "curve.png"
+    code, _, err = run(capsys, "max", "batch-size", "--model", _TINY, "--seq-len", "128",
+                       "--gpu-memory", "1.2GiB", "--plot", str(out))
+    assert code == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = run(capsys, "max", "batch-size", "--model", _TINY, "--plot", "x.bmp")
+    assert code == 2 and "--plot" in err

@@ -3,6 +3,8 @@ and the answer against independent estimates of the value and the next one up.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmem_plugin.device.gpus import get_gpu
@@ -10,6 +12,7 @@ from llmem_plugin.errors import ConfigError, WontFitError
 from llmem_plugin.estimate import estimate
 from llmem_plugin.planner import largest
 from llmem_plugin.planner.largest import MaxPoint, _Search
+from llmem_plugin.workload import Workload
 
 from ..conftest import room, tiny_config
 
@@ -108,10 +111,18 @@ def test_a_learned_position_table_caps_the_length_at_its_rows():
 
 
 def test_a_method_brackets_with_fast_estimates_and_decides_with_exact_ones():
-    cfg = tiny_config("llama")
-    from llmem_plugin.methods import Layout
+    from llmem_plugin.methods import Layout, estimate_method
 
+    cfg = tiny_config("llama", num_hidden_layers=12)  # deep enough for fast mode to shorten
     r = largest.max_batch_size(cfg, gpu="h100-sxm", headroom=_H100 - room(1.0), method="ddp",
                                layout=Layout(num_gpus=2), seq_len=128, precision="bf16-mixed")
+    assert any(not p.exact for p in r.points)  # the bracket came from fast estimates
     exact = {p.value: p for p in r.points if p.exact}
     assert exact[r.value].fits and not exact[r.next_value].fits
+    # Independently: the method's full-trace estimate at the answer and one above.
+    gpu = dataclasses.replace(get_gpu("h100-sxm"), memory_bytes=r.limit_bytes, driver_memory_bytes=None)
+    fits = [all(x.fits for x in estimate_method("ddp", cfg, Workload(seq_len=128, micro_batch_size=b,
+                                                                     precision="bf16-mixed"),
+                                                layout=Layout(num_gpus=2), gpu=gpu).ranks)
+            for b in (r.value, r.value + 1)]
+    assert fits == [True, False]
