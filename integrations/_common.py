@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmem_plugin.errors import ConfigError, LLMemError
+from llmem_plugin.errors import ConfigError, LLMemError, WontFitError
 from llmem_plugin.device.gpus import GPU, get_gpu, match_device_name, size_bytes
 from llmem_plugin.verify.meter import Prediction
 from llmem_plugin.workload import LoraSpec, Precision, Workload
@@ -375,19 +375,25 @@ def largest_batch(live: LiveModel, workload: Workload, *, method: str = "single"
                   options: dict[str, Any] | None = None, limit: int | None = None) -> Any:
     """The largest micro-batch of ``live`` that fits (:func:`llmem_plugin.planner.largest.max_batch_size`),
     searched from ``workload.micro_batch_size``; the :class:`~llmem_plugin.planner.largest.MaxResult`.
+    Where not even one row fits under the headroom but one fits the whole GPU, the result is that one row
+    with no headroom (``headroom_bytes`` 0): the job may run, the adapters say so and train on.
 
     Raises:
-        WontFitError: Not even one row fits.
+        WontFitError: Not even one row fits the whole GPU: the first step would run out of memory.
     """
     from llmem_plugin.methods.layout import Layout
-    from llmem_plugin.planner.largest import DEFAULT_BATCH_LIMIT, max_batch_size
+    from llmem_plugin.planner.largest import max_batch_size
 
     if live.lora is not None and workload.lora is not None and live.quant is None:
         workload = dataclasses.replace(workload, lora=None)  # the live module holds its adapters (as check)
     target = dataclasses.replace(gpu, memory_bytes=gpu_memory, driver_memory_bytes=None) if gpu_memory else gpu
-    return max_batch_size(live.module, workload, gpu=target, headroom=headroom, method=method,
-                          layout=Layout(num_gpus=num_gpus, num_nodes=num_nodes), options=options,
-                          limit=limit or DEFAULT_BATCH_LIMIT)
+    kw = {"gpu": target, "method": method, "layout": Layout(num_gpus=num_gpus, num_nodes=num_nodes),
+          "options": options}
+    try:
+        return max_batch_size(live.module, workload, headroom=headroom, limit=limit, **kw)
+    except WontFitError:
+        return max_batch_size(live.module, dataclasses.replace(workload, micro_batch_size=1), headroom=0.0,
+                              limit=1, **kw)
 
 
 def choose(live: LiveModel, workload: Workload, *, gpu: GPU, gpu_memory: int | None, num_gpus: int,

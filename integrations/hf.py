@@ -354,27 +354,49 @@ class LLMemCallback(TrainerCallback):
         (transformers trainer.py): no step runs at another size."""
         if not self.find_batch_size:
             return control
+        trainer = _find_trainer()
         try:
+            if trainer is None:
+                raise UnsupportedError("the Trainer calling the callback was not found, so its batch size cannot "
+                                       "be set before train()")
             target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
+            capacity = memory or target.capacity_bytes
+            # The check before the first step keeps `margin` free: size the batch to keep at least as much.
+            from llmem_plugin.planner.largest import headroom_bytes
+
+            room = max(headroom_bytes(self.headroom, capacity), int(self.margin * capacity))
             self.batch_size_result = largest_batch(model, args, seq_len=self.seq_len, gpu=target, gpu_memory=memory,
-                                                   headroom=self.headroom)
-        except WontFitError:
-            raise
+                                                   headroom=room / capacity, trainer=trainer)
+        except WontFitError as e:
+            if self.on_wont_fit == "abort":
+                raise
+            warnings.warn(f"llmem: {e}", stacklevel=2)
+            return control
         except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
             self._not_checked(e, "the batch size stays as given; pass LLMemCallback(gpu='h100-sxm') (any name "
                                  "`llmem gpus` lists) to size it for that GPU")
             return control
         r = self.batch_size_result
         args.per_device_train_batch_size = r.value
-        trainer = _find_trainer()
-        if trainer is not None:  # __init__ copied args.train_batch_size just before on_init_end; train() reads it
-            trainer._train_batch_size = args.train_batch_size
+        # __init__ copied args.train_batch_size just before on_init_end; train() builds its DataLoader from it.
+        trainer._train_batch_size = args.train_batch_size
+        if getattr(trainer, "is_deepspeed_enabled", False):  # as Trainer._update_auto_batch_size does
+            from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+            propagate_args_to_deepspeed(trainer.accelerator, args, auto_find_batch_size=True)
+        if r.headroom_bytes == 0:
+            warnings.warn(f"llmem: per_device_train_batch_size=1 fits the {r.gpu} only within the headroom; the check "
+                          "before the first step says whether it fits the margin", stacklevel=2)
         log.info("llmem: per_device_train_batch_size=%d, the largest that fits (%s does not) on %s, limit %.2f GiB "
                  "after %.2f GiB headroom; from %d estimates, no trial step", r.value, r.next_value, r.gpu,
                  r.limit_bytes / 2**30, r.headroom_bytes / 2**30, len(r.points))
         return control
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.find_batch_size and self.batch_size_result is None and not self._warned:
+            self._not_checked(UnsupportedError("find_batch_size=True had no effect: the batch size is set when the "
+                                               "Trainer is built (its on_init_end event)"),
+                              "pass the callback in Trainer(callbacks=[...]), not through add_callback()")
         self._args, self._optimizer, self._steps = args, optimizer, 0
         self.check, self.comparison = None, None
         self._trainer = _find_trainer()
@@ -502,7 +524,7 @@ class LLMemCallback(TrainerCallback):
 
 
 def largest_batch(model: Any, training_args: Any, *, seq_len: int, gpu: Any = None, gpu_memory: Any = None,
-                  headroom: float | int | str | None = None) -> Any:
+                  headroom: float | int | str | None = None, trainer: Any = None) -> Any:
     """The largest ``per_device_train_batch_size`` of the job ``training_args`` describe that fits the GPU
     (:func:`llmem_plugin.planner.largest.max_batch_size`, per rank for DDP, ZeRO and FSDP); nothing is changed.
 
@@ -512,6 +534,8 @@ def largest_batch(model: Any, training_args: Any, *, seq_len: int, gpu: Any = No
         seq_len: Tokens per sequence of the training data.
         gpu, gpu_memory: The GPU (catalog name) and an optional capacity; default this process's CUDA device.
         headroom: Memory kept free (fraction or size; default ``DEFAULT_HEADROOM``).
+        trainer: The Trainer, where it is built: a TRL trainer's step (its reference model, its fused head)
+            is then sized, as the callback's check estimates it.
 
     Returns:
         The :class:`~llmem_plugin.planner.largest.MaxResult`.
@@ -527,8 +551,14 @@ def largest_batch(model: Any, training_args: Any, *, seq_len: int, gpu: Any = No
     else:
         memory = gpu_memory
     live = _common.live_model(model)
+    config = live.config
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "vision_config", None) is not None:
+        raise UnsupportedError(f"{live.name}: the batch of a seq2seq or vision model depends on its target length "
+                               "and images, which are not known before the first batch; it is not sized. HINT: run "
+                               "`llmem max batch-size` with --target-len / --images")
     job = job_of(training_args)
-    wl = _workload(training_args, live, int(training_args.per_device_train_batch_size), seq_len)
+    step = _trl_step(trainer, live) if trainer is not None else None
+    wl = _workload(training_args, live, int(training_args.per_device_train_batch_size), seq_len, trl=step)
     source, wl = _unpartitioned(live, wl)
     with _real_process_group_set_aside(), _hf_zero3_init_off():
         return _common.largest_batch(source, wl, method=job.method, num_gpus=job.num_gpus, num_nodes=job.num_nodes,

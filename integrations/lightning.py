@@ -646,8 +646,9 @@ def _meter_callback(package: str) -> type:
 
 # ----------------------------------------------------------------------------- the batch size finder
 
-# Lightning's strategies by class name -> the estimator's method (one GPU: single).
-_FINDER_METHODS = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "SingleDeviceStrategy": "single"}
+# Lightning's strategies by class name -> the estimator's method (one GPU: single). FSDP is not searched:
+# FSDPStrategy has sharded the module by on_fit_start (Trainer._run: strategy.setup, then on_fit_start).
+_FINDER_METHODS = {"DDPStrategy": "ddp", "SingleDeviceStrategy": "single"}
 
 
 class _FinderMixin:
@@ -678,7 +679,7 @@ class _FinderMixin:
         super().__init__()
         self.optimal_batch_size: int | None = init_val
         self.result: Any = None
-        self._mode, self._steps_per_trial, self._max_trials = mode, steps_per_trial, max_trials
+        self._mode, self._steps_per_trial, self._max_trials = str(mode).lower(), steps_per_trial, max_trials
         self._init_val, self._batch_arg_name, self._margin, self._max_val = init_val, batch_arg_name, margin, max_val
         self.seq_len, self.gpu, self.gpu_memory, self.strict = seq_len, gpu, gpu_memory, strict
 
@@ -698,7 +699,7 @@ class _FinderMixin:
         try:
             result = self._largest(trainer, pl_module)
         except WontFitError:
-            raise  # not even one row fits: the first step would run out of memory
+            raise  # not even one row fits the whole GPU: the first step would run out of memory
         except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
             if self.strict:
                 raise
@@ -709,13 +710,17 @@ class _FinderMixin:
             log.info(line)
             return
         found = min(result.value, self._max_val)
-        size = max(1, int(found * (1 - self._margin)))  # BatchSizeFinder's margin: the found size less margin
+        # BatchSizeFinder applies its margin in binsearch mode only (lightning/pytorch/tuner/batch_size_scaling.py).
+        size = max(1, int(found * (1 - self._margin))) if self._mode == "binsearch" else found
         parsing.lightning_setattr(pl_module, self._batch_arg_name, size)
         self.optimal_batch_size, self.result = size, result
+        above = f"{result.next_value} does not" if result.next_value is not None else f"capped: {result.capped_by}"
         text = (f"LLMemBatchSizeFinder: {self._batch_arg_name}={size} (the largest that fits is {result.value}, "
-                f"{result.next_value} does not; {result.gpu} limit {result.limit_bytes / 2**30:.2f} GiB after "
-                f"{result.headroom_bytes / 2**30:.2f} GiB headroom; margin {self._margin:g}), from "
-                f"{len(result.points)} estimates, no trial step")
+                f"{above}; {result.gpu} limit {result.limit_bytes / 2**30:.2f} GiB after "
+                f"{result.headroom_bytes / 2**30:.2f} GiB headroom), from {len(result.points)} estimates, no trial "
+                "step")
+        if result.headroom_bytes == 0 and self.headroom not in (0, 0.0, "0"):
+            warnings.warn(f"{text}: one row fits the GPU only within the headroom", stacklevel=2)
         log.info(text)
         importlib.import_module(f"{self._package}.utilities").rank_zero_info(text)
 
@@ -739,7 +744,7 @@ class _FinderMixin:
         method = _FINDER_METHODS.get(type(trainer.strategy).__name__)
         if method is None or (method == "single") != (world == 1):
             raise LLMemError(f"strategy {type(trainer.strategy).__name__} on {world} device(s) is not searched "
-                             "(single device, DDP and FSDP are)")
+                             "(single device and DDP are)")
         attn = getattr(live.config, "_attn_implementation", None)
         wl = Workload(seq_len=seq_len, micro_batch_size=self._init_val,
                       grad_accum_steps=int(trainer.accumulate_grad_batches),
@@ -767,7 +772,8 @@ Takes BatchSizeFinder's arguments and attribute rules: ``batch_arg_name`` is
 found on the LightningModule, its ``hparams``, the datamodule or its
 ``hparams`` (``lightning_hasattr``) and set there with ``lightning_setattr``
 at ``on_fit_start``, before the fit loop builds its DataLoader; the found size
-is reduced by ``margin`` and capped at ``max_val`` as BatchSizeFinder does.
+is capped at ``max_val`` and, in ``binsearch`` mode, reduced by ``margin``, as
+BatchSizeFinder does.
 ``mode``, ``steps_per_trial`` and ``max_trials`` have nothing to do: no step
 runs to find the size. ``init_val`` is where the search starts.
 
@@ -784,8 +790,11 @@ Attributes:
     result: The :class:`~llmem_plugin.planner.largest.MaxResult`.
 
 Known limitations:
-    Single device, DDP and FSDP (estimated as FSDP2 per decoder layer).
-    Raises WontFitError when not even one row fits.
+    Single device and DDP: FSDPStrategy has sharded the module by
+    ``on_fit_start``, so the live module cannot be read (warned, the batch
+    size is left as it is). Raises WontFitError when not even one row fits
+    the whole GPU; one row that fits only within the headroom is set, with a
+    warning.
 """
 
 

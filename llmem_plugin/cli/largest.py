@@ -27,7 +27,9 @@ from llmem_plugin.cli.options import (
 __all__ = ["max_command", "max_parser"]
 
 _WHAT = {"batch-size": "batch_size", "seq-len": "seq_len", "table": "table"}
-# The lengths of `llmem max table` without --at-lens: powers of two through common fine-tuning lengths.
+# The lengths of `llmem max table` without --at-lens: powers of two around the lengths the bundled recipes
+# train at (examples/recipes: Axolotl's sequence_len, torchtune's max_seq_len, LLaMA-Factory's cutoff_len
+# are 2048 and 4096).
 _TABLE_LENS = (512, 1024, 2048, 4096, 8192)
 
 
@@ -50,7 +52,8 @@ def max_parser(sub) -> None:
     g.add_argument("--limit", type=int, default=None, metavar="N",
                    help="the largest value searched (default: batch 65536; length: the model's context length)")
     g.add_argument("--at-lens", default=None, metavar="L1,L2,...",
-                   help="table: the sequence lengths (default 512,1024,2048,4096,8192 up to the context length)")
+                   help="table: the sequence lengths, each replacing --seq-len (default 512,1024,2048,4096,8192 "
+                        "up to the model's context length)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw the memory curve the search estimated to FILE (png, svg, pdf)")
@@ -75,8 +78,8 @@ def max_command(args: argparse.Namespace) -> int:
             if args.limit is not None:
                 raise ConfigError("--limit bounds the value searched; `llmem max table` searches the batch at "
                                   "each of --at-lens. HINT: drop --limit, or use `llmem max batch-size`")
-            results = largest.max_batch_table(args.model, kwargs.pop("workload"), seq_lens=_table_lens(args),
-                                              **kwargs)
+            wl = kwargs.pop("workload")
+            results = largest.max_batch_table(args.model, wl, seq_lens=_table_lens(args, wl), **kwargs)
         else:
             fn = largest.max_batch_size if what == "batch_size" else largest.max_seq_len
             results = [fn(args.model, kwargs.pop("workload"), **kwargs)]
@@ -115,7 +118,15 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     if args.steps is not None and args.seq_lens is None:
         raise ConfigError(f"--steps {args.steps} sets how many steps of varying length are replayed. HINT: add "
                           "--seq-lens (the sample lengths), or drop --steps")
-    options, pipeline = _method_options(args, method_names()) if method != "single" else ({}, {})
+    if method == "single" and cluster:
+        raise ConfigError(f"--method single is one GPU, but --gpus {args.gpus or 1} --nodes {args.nodes} --tp "
+                          f"{args.tp or 1}{' --offload ' + args.offload if args.offload else ''} name more. HINT: "
+                          "name the distributed method (--method ddp, fsdp, zero3, ...), or drop them")
+    if args.at_lens is not None and args.what != "table":
+        raise ConfigError(f"--at-lens lists the lengths of `llmem max table`, not of `llmem max {args.what}`. HINT: "
+                          "drop --at-lens, or run `llmem max table`")
+    args.method = method
+    options, pipeline = _method_options(args, method_names())
     if args.sequence_parallel and method in _TP_METHODS:
         options["sequence_parallel"] = True
     options.update(pipeline)
@@ -130,11 +141,15 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     return out
 
 
-def _table_lens(args: argparse.Namespace) -> list[int]:
+def _table_lens(args: argparse.Namespace, workload) -> list[int]:
+    """``--at-lens``, or :data:`_TABLE_LENS` up to the model's context length."""
     from llmem_plugin.errors import ConfigError
 
     if args.at_lens is None:
-        return list(_TABLE_LENS)
+        from llmem_plugin.planner.largest import context_length
+
+        longest, _ = context_length(args.model, workload)
+        return [n for n in _TABLE_LENS if n <= longest] or [longest]
     lens = csv_list(args.at_lens, int)
     if not lens or any(n < 1 for n in lens):
         raise ConfigError(f"--at-lens {args.at_lens!r} must list positive lengths. HINT: --at-lens 1024,2048,4096")

@@ -45,21 +45,23 @@ __all__ = [
     "DEFAULT_HEADROOM",
     "MaxPoint",
     "MaxResult",
+    "context_length",
     "headroom_bytes",
     "max_batch_size",
     "max_batch_table",
     "max_seq_len",
 ]
 
-# The default headroom: the largest error the project's accuracy targets allow
-# on a device total (docs/accuracy.md: 3% on one GPU, 4% on any rank of a
+# The default headroom: the largest device-total error the project's targets
+# allow (docs/accuracy.md: 3% on one GPU; docs/methods.md: 4% on any rank of a
 # distributed run), so that an estimate at the edge of its target still fits.
 DEFAULT_HEADROOM = 0.04
 # The largest micro-batch searched unless ``limit`` says otherwise: far past any
 # LLM fine-tuning batch, and it keeps a tiny model's search to ~17 doublings.
 DEFAULT_BATCH_LIMIT = 1 << 16
-# The longest sequence searched for a model that names no context length.
-DEFAULT_SEQ_LIMIT = 1 << 20
+# The longest sequence searched for a model that names no context length: the
+# most tokens per micro-batch the CLI models (llmem_plugin/cli/options.py, _MAX_TOKENS).
+DEFAULT_SEQ_LIMIT = 1 << 24
 _WHAT = {"batch_size": ("micro_batch_size", "--batch-size"), "seq_len": ("seq_len", "--seq-len")}
 
 
@@ -129,9 +131,9 @@ class MaxResult:
     seconds: float
 
     @property
-    def answer(self) -> MaxPoint:
-        """The exact point at :attr:`value`."""
-        return next(p for p in self.points if p.value == self.value and p.exact)
+    def answer(self) -> MaxPoint | None:
+        """The exact point at :attr:`value` (None when nothing fits)."""
+        return next((p for p in self.points if p.value == self.value and p.exact), None)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -144,36 +146,48 @@ def headroom_bytes(headroom: float | int | str, capacity_bytes: int) -> int:
 
     Args:
         headroom: A fraction of the capacity (a float from 0 up to, not
-            including, 1), or a size (bytes as an int of at least 1 MiB, or a
-            string with its unit, ``"2GiB"``).
+            including, 1, or its spelling: ``"0.05"``, ``"5e-2"``), 0, or a
+            size (bytes as an int of at least 1 MiB, or a string with its
+            unit, ``"2GiB"``). A bare number from 1 up is refused as ambiguous.
 
     Raises:
         ConfigError: A fraction outside [0, 1), a size that does not parse,
             or a headroom that leaves no memory.
     """
-    from llmem_plugin.device.gpus import size_bytes
+    from llmem_plugin.device.gpus import parse_memory
 
-    if isinstance(headroom, float):
+    hint = "HINT: pass a fraction of the GPU's memory (0.05) or a size with its unit (2GiB)"
+    if isinstance(headroom, bool):
+        raise ConfigError(f"headroom {headroom!r} is neither a fraction nor a size. {hint}")
+    if isinstance(headroom, str):
+        try:
+            value = float(headroom)
+        except ValueError:
+            value = None
+        if value is None:
+            try:
+                out = parse_memory(headroom, what="headroom")
+            except ConfigError:
+                raise ConfigError(f"headroom {headroom!r} is neither a fraction nor a size. {hint}") from None
+        elif value < 1.0:
+            return headroom_bytes(value, capacity_bytes)
+        else:
+            raise ConfigError(f"headroom {headroom!r} has no unit: a fraction is below 1, a size names its unit. "
+                              f"{hint}")
+    elif isinstance(headroom, float) or headroom == 0:
         if not 0.0 <= headroom < 1.0:
             raise ConfigError(f"headroom {headroom!r} as a fraction must be from 0 up to 1 (of the GPU's memory). "
-                              "HINT: pass --headroom 0.05, or a size such as 2GiB")
+                              f"{hint}")
         out = int(headroom * capacity_bytes)
-    elif isinstance(headroom, str) and _is_fraction(headroom):
-        return headroom_bytes(float(headroom), capacity_bytes)
+    elif isinstance(headroom, int) and headroom >= 2**20:
+        out = headroom
     else:
-        out = size_bytes(headroom, name="headroom", what="headroom", example="2GiB")
+        raise ConfigError(f"headroom {headroom!r} is neither a fraction nor a size (an int is bytes, at least 1 MiB). "
+                          f"{hint}")
     if out >= capacity_bytes:
         raise ConfigError(f"headroom {headroom} leaves nothing of the GPU's {capacity_bytes / 2**30:.1f} GiB. "
                           "HINT: pass a smaller --headroom (a fraction such as 0.05, or a size such as 2GiB)")
     return out
-
-
-def _is_fraction(text: str) -> bool:
-    try:
-        value = float(text)
-    except ValueError:
-        return False
-    return "." in text or value == 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,14 +322,14 @@ def _crossing(points: list[tuple[int, int]], limit: int, lo: int, hi: int) -> fl
     return min(inside) if inside else None
 
 
-def _resolve(model: Any, workload: Any, kwargs: dict[str, Any], *, gpu: Any, headroom: float | int | str,
-             method: str, layout: Any, options: dict[str, Any] | None, lengths: Any, steps: int | None,
-             alloc_conf: Any, torch_version: str | None) -> tuple[_Job, int, int]:
+def _resolve(model: Any, workload: Any, kwargs: dict[str, Any], *, gpu: Any, gpu_memory: int | str | None,
+             headroom: float | int | str, method: str, layout: Any, options: dict[str, Any] | None, lengths: Any,
+             steps: int | None, alloc_conf: Any, torch_version: str | None) -> tuple[_Job, int, int]:
     """(the job, the GPU's capacity, the headroom in bytes)."""
     from llmem_plugin.estimate import _resolve_gpu, _workload_from
 
     wl = _workload_from(workload, kwargs)
-    g = _resolve_gpu(gpu, None)
+    g = _resolve_gpu(gpu, gpu_memory)
     room = headroom_bytes(headroom, g.capacity_bytes)
     limited = dataclasses.replace(g, memory_bytes=g.capacity_bytes - room, driver_memory_bytes=None)
     if method != "single" and lengths is not None:
@@ -325,6 +339,10 @@ def _resolve(model: Any, workload: Any, kwargs: dict[str, Any], *, gpu: Any, hea
         from llmem_plugin.methods import Layout
 
         layout = Layout(num_gpus=1)
+    if method == "single" and (layout.num_gpus != 1 or options):
+        raise ConfigError(f"method 'single' is one GPU, but the layout has {layout.num_gpus} GPU(s)"
+                          + (f" and options {sorted(options)}" if options else "")
+                          + ". HINT: name the distributed method (method='ddp', 'fsdp', ...), or drop them")
     job = _Job(model=model, workload=wl, gpu=limited, method=method, layout=layout, options=dict(options or {}),
                lengths=lengths, steps=steps, alloc_conf=alloc_conf, torch_version=torch_version)
     return job, g.capacity_bytes, room
@@ -369,17 +387,17 @@ def _result(job: _Job, what: str, search: _Search, lo: int, hi: int | None, *, c
                      multiple_of=search.step, points=tuple(points), seconds=time.perf_counter() - t0)
 
 
-def max_batch_size(model: Any, workload: Any = None, *, gpu: Any = None,
+def max_batch_size(model: Any, workload: Any = None, *, gpu: Any = None, gpu_memory: int | str | None = None,
                    headroom: float | int | str = DEFAULT_HEADROOM, method: str = "single", layout: Any = None,
                    options: dict[str, Any] | None = None, lengths: Any = None, steps: int | None = None,
-                   multiple_of: int = 1, limit: int = DEFAULT_BATCH_LIMIT, alloc_conf: Any = None,
+                   multiple_of: int = 1, limit: int | None = None, alloc_conf: Any = None,
                    torch_version: str | None = None, **workload_fields: Any) -> MaxResult:
     """The largest micro-batch per GPU whose step fits the GPU less ``headroom``.
 
     Args:
-        model, workload, gpu, alloc_conf, torch_version, workload_fields: As
+        model, workload, gpu, gpu_memory, alloc_conf, torch_version, workload_fields: As
             :func:`llmem_plugin.estimate` takes them; the workload's
-            ``micro_batch_size`` is what is searched.
+            ``micro_batch_size`` is what is searched, from its value.
         headroom: What to keep free: a fraction of the GPU's memory (a float),
             or a size (``"2GiB"``, or bytes as an int).
         method: A distributed method (:func:`llmem_plugin.methods.method_names`);
@@ -390,7 +408,7 @@ def max_batch_size(model: Any, workload: Any = None, *, gpu: Any = None,
             variable-length batches must fit (one GPU only).
         steps: With ``lengths``: optimizer steps replayed (default: until steady).
         multiple_of: Search only multiples of this.
-        limit: The largest value searched.
+        limit: The largest value searched (None: :data:`DEFAULT_BATCH_LIMIT`).
 
     Returns:
         The :class:`MaxResult`: the answer, the next value up (which does not
@@ -400,14 +418,16 @@ def max_batch_size(model: Any, workload: Any = None, *, gpu: Any = None,
         WontFitError: Even ``multiple_of`` does not fit (``report`` carries the result).
         ConfigError, UnsupportedError, TraceError: As ``estimate`` raises them; a bad headroom.
     """
-    job, capacity, room = _resolve(model, workload, workload_fields, gpu=gpu, headroom=headroom, method=method,
+    job, capacity, room = _resolve(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory,
+                                   headroom=headroom, method=method,
                                    layout=layout, options=options, lengths=lengths, steps=steps,
                                    alloc_conf=alloc_conf, torch_version=torch_version)
+    limit = DEFAULT_BATCH_LIMIT if limit is None else limit
     return _largest(job, "batch_size", capacity=capacity, room=room, multiple_of=multiple_of, limit=limit,
                     capped_by=f"the search's limit of {limit}")
 
 
-def max_seq_len(model: Any, workload: Any = None, *, gpu: Any = None,
+def max_seq_len(model: Any, workload: Any = None, *, gpu: Any = None, gpu_memory: int | str | None = None,
                 headroom: float | int | str = DEFAULT_HEADROOM, method: str = "single", layout: Any = None,
                 options: dict[str, Any] | None = None, lengths: Any = None, steps: int | None = None,
                 multiple_of: int = 1, limit: int | None = None, alloc_conf: Any = None,
@@ -422,12 +442,13 @@ def max_seq_len(model: Any, workload: Any = None, *, gpu: Any = None,
         WontFitError: Even ``multiple_of`` tokens do not fit.
         ConfigError, UnsupportedError, TraceError: As ``estimate`` raises them.
     """
-    job, capacity, room = _resolve(model, workload, workload_fields, gpu=gpu, headroom=headroom, method=method,
+    job, capacity, room = _resolve(model, workload, workload_fields, gpu=gpu, gpu_memory=gpu_memory,
+                                   headroom=headroom, method=method,
                                    layout=layout, options=options, lengths=lengths, steps=steps,
                                    alloc_conf=alloc_conf, torch_version=torch_version)
     capped_by = f"the search's limit of {limit}"
     if limit is None:
-        limit, capped_by = _context_length(model, job.workload)
+        limit, capped_by = context_length(model, job.workload)
     return _largest(job, "seq_len", capacity=capacity, room=room, multiple_of=multiple_of, limit=limit,
                     capped_by=capped_by)
 
@@ -454,11 +475,11 @@ def max_batch_table(model: Any, workload: Any = None, *, seq_lens: Sequence[int]
     return out
 
 
-_SEARCH_ARGS = ("gpu", "headroom", "method", "layout", "options", "lengths", "steps", "multiple_of", "limit",
+_SEARCH_ARGS = ("gpu", "gpu_memory", "headroom", "method", "layout", "options", "lengths", "steps", "multiple_of", "limit",
                 "alloc_conf", "torch_version")
 
 
-def _context_length(model: Any, workload: Any) -> tuple[int, str]:
+def context_length(model: Any, workload: Any) -> tuple[int, str]:
     """(the longest sequence the model takes, what says so): a learned position table's rows, else the
     config's ``max_position_embeddings`` (or ``n_positions``), else :data:`DEFAULT_SEQ_LIMIT`."""
     from llmem_plugin.models import modelbuild
@@ -476,7 +497,7 @@ def _context_length(model: Any, workload: Any) -> tuple[int, str]:
         if _learns_positions(config) else None
     if table is not None:
         return table, f"the model's learned position table ({table} positions)"
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "block_size"):
         n = getattr(config, name, None)
         if isinstance(n, int) and n > 0:
             return n, f"the model's context length ({name}={n}); pass --limit to search further"

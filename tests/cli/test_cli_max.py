@@ -38,12 +38,15 @@ def test_a_job_that_never_fits_exits_3_with_one_line(capsys):
 
 def test_bad_input_exits_2_naming_the_value(capsys):
     for argv, said in (
-        (["--headroom", "1.5"], "headroom 1.5"),
+        (["--headroom", "1.5"], "headroom '1.5' has no unit"),
         (["--headroom", "90GiB"], "leaves nothing"),
         (["--method", "all"], "--method all names none"),
         (["--gpus", "2"], "without --method names none"),
         (["--method", "nope"], "unknown method 'nope'"),
         (["--multiple-of", "0"], "--multiple-of 0"),
+        (["--method", "single", "--gpus", "4"], "--method single is one GPU"),
+        (["--at-lens", "512"], "--at-lens lists the lengths of `llmem max table`"),
+        (["--headroom", "5"], "has no unit"),
     ):
         code, out, err = run(capsys, "max", "batch-size", "--model", "llama-3.2-1b", *argv)
         assert code == EXIT_BAD_INPUT, (argv, err)
@@ -59,3 +62,13 @@ def test_plot_writes_the_curve(capsys, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = run(capsys, "max", "batch-size", "--model", _TINY, "--plot", "x.bmp")
     assert code == 2 and "--plot" in err
+
+
+def test_max_reads_the_job_from_a_config_file(capsys):
+    # The file's micro-batch is where the search starts; its LoRA and length are the job's.
+    recipe = str(Path(__file__).resolve().parents[2] / "examples" / "recipes" / "torchtune" / "qwen2_5_0_5b_full_single_device.yaml")
+    code, out, err = run(capsys, "max", "batch-size", "--config", recipe, "--gpu", "h100-sxm", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    (r,) = doc["results"]
+    assert doc["config"]["format"] == "torchtune" and r["fixed"] == 2048 and r["next_value"] == r["value"] + 1

@@ -68,11 +68,13 @@ def test_the_finder_sets_the_api_s_answer_before_the_first_step(where):
     assert module.steps == 2  # the two steps of max_steps; none was run to find the size
 
 
-def test_the_margin_reduces_the_found_size_as_lightning_s_finder_does():
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_the_margin_reduces_the_found_size_in_binsearch_mode_as_lightning_s_finder_does(mode):
+    # lightning/pytorch/tuner/batch_size_scaling.py applies `margin` after its binary search only.
     module = _module("module")
-    finder = LLMemBatchSizeFinder(gpu="h100-sxm", gpu_memory=_MEMORY, margin=0.25)
+    finder = LLMemBatchSizeFinder(mode=mode, gpu="h100-sxm", gpu_memory=_MEMORY, margin=0.25)
     _fit(module, finder)
-    assert module.batch_size == int(finder.result.value * 0.75)
+    assert module.batch_size == (int(finder.result.value * 0.75) if mode == "binsearch" else finder.result.value)
 
 
 def test_a_machine_without_a_gpu_name_warns_once_and_trains_with_the_batch_as_it_was():
@@ -114,7 +116,8 @@ def test_the_hf_callback_sets_the_per_device_batch_before_the_dataloader_is_buil
     targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=2,
                               use_cpu=True, report_to=[], save_strategy="no", dataloader_num_workers=0,
                               optim="adamw_torch")
-    expected = largest_batch(model, targs, seq_len=SEQ, gpu="h100-sxm", gpu_memory=_MEMORY)
+    # The callback keeps its check's 5% margin free (more than the default 4% headroom).
+    expected = largest_batch(model, targs, seq_len=SEQ, gpu="h100-sxm", gpu_memory=_MEMORY, headroom=0.05)
     count = _CountSteps()
     cb = LLMemCallback(find_batch_size=True, seq_len=SEQ, gpu="h100-sxm", gpu_memory=_MEMORY, compare_after_steps=0)
     trainer = Trainer(model=model, args=targs, train_dataset=_Tokens(model.config.vocab_size, n=4096),
@@ -133,3 +136,22 @@ def test_find_batch_size_needs_the_sequence_length():
 
     with pytest.raises(ConfigError, match="seq_len"):
         LLMemCallback(find_batch_size=True)
+
+
+def test_a_callback_added_after_the_trainer_is_built_says_it_had_no_effect(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from llmem_plugin.integrations.hf import LLMemCallback
+    from tests.integrations.test_hf import _model, _Tokens
+
+    model = _model()
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1,
+                              use_cpu=True, report_to=[], save_strategy="no", optim="adamw_torch")
+    trainer = Trainer(model=model, args=targs, train_dataset=_Tokens(model.config.vocab_size, n=8))
+    trainer.add_callback(LLMemCallback(find_batch_size=True, seq_len=64, gpu="h100-sxm", gpu_memory=_MEMORY,
+                                       compare_after_steps=0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert any("find_batch_size=True had no effect" in str(w.message) for w in caught)
+    assert trainer.args.per_device_train_batch_size == 2

@@ -72,7 +72,9 @@ def test_headroom_reads_a_fraction_or_a_size_and_refuses_one_that_leaves_nothing
     assert largest.headroom_bytes("0.1", cap) == int(0.1 * cap)
     assert largest.headroom_bytes("2GiB", cap) == 2 * _GIB
     assert largest.headroom_bytes(3 * _GIB, cap) == 3 * _GIB
-    for bad in (1.0, -0.1, "80GiB", "lots"):
+    assert largest.headroom_bytes("5e-2", cap) == int(0.05 * cap)
+    assert largest.headroom_bytes(0, cap) == largest.headroom_bytes("0", cap) == 0
+    for bad in (1.0, -0.1, "80GiB", "lots", "5", 1024, True):
         with pytest.raises(ConfigError, match="headroom"):
             largest.headroom_bytes(bad, cap)
 
@@ -126,3 +128,10 @@ def test_a_method_brackets_with_fast_estimates_and_decides_with_exact_ones():
                                                 layout=Layout(num_gpus=2), gpu=gpu).ranks)
             for b in (r.value, r.value + 1)]
     assert fits == [True, False]
+
+
+def test_one_gpu_refuses_a_layout_or_options_it_would_ignore():
+    from llmem_plugin.methods import Layout
+
+    with pytest.raises(ConfigError, match="method 'single' is one GPU"):
+        largest.max_batch_size(tiny_config("llama"), layout=Layout(num_gpus=4), seq_len=64)
