@@ -16,6 +16,7 @@ from llmem_plugin.cli.config import add_config_args, emit_json, show_recipe
 from llmem_plugin.cli.estimate import _deepspeed_args, _method_options, _TP_METHODS, add_method_args
 from llmem_plugin.cli.options import (
     EXIT_WONT_FIT,
+    add_cache_arg,
     add_target_args,
     add_workload_args,
     build_workload,
@@ -55,6 +56,7 @@ def max_parser(sub) -> None:
                    help="table: the sequence lengths, each replacing --seq-len (default 512,1024,2048,4096,8192 "
                         "up to the model's context length)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw the memory curve the search estimated to FILE (png, svg, pdf)")
     p.set_defaults(func=max_command)

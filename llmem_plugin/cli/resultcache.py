@@ -1,4 +1,4 @@
-"""A repeated ``llmem estimate`` or ``llmem plan`` answered before torch is imported.
+"""A repeated ``llmem estimate``, ``llmem plan`` or ``llmem max`` answered before torch is imported.
 
 The trace cache (:mod:`llmem_plugin.trace.cache`) saves the traces, but a run
 that hits it still imports torch and transformers' modeling code to build the
@@ -55,7 +55,7 @@ from pathlib import Path
 
 __all__ = ["Answer", "capture", "inputs_digest", "lookup", "replay", "result_key", "store"]
 
-_COMMANDS = ("estimate", "plan")
+_COMMANDS = ("estimate", "plan", "max")
 # Variables the estimate or the report reads, beside the LLMEM_* ones.
 _ENV = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CUDNN_SDPA_DEPRIORITIZED", "CUBLAS_WORKSPACE_CONFIG", "COLUMNS", "LINES",
         "NO_COLOR", "FORCE_COLOR", "TERM", "COLORTERM", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "JUPYTER_COLUMNS")

@@ -165,3 +165,11 @@ def test_an_answer_marked_not_kept_is_not_kept(on, runs, capsys, monkeypatch):
     run(capsys, *GPT2)
     assert runs == ["estimate", "estimate"]  # the second ran again
     assert not [p for p in (on / "traces").glob("*/*.pkl") if b"resultcache" in p.read_bytes()[:400]]
+
+
+def test_a_repeated_max_is_answered_from_the_cache(on, runs, capsys):
+    args = ["max", "batch-size", "--model", "gpt2", "--seq-len", "64", "--precision", "bf16", "--gpu-memory",
+            "2GiB", "--json"]
+    code, out, _ = run(capsys, *args)
+    again_code, again_out, again_err = run(capsys, *args)
+    assert runs == ["max"] and (again_code, again_out) == (code, out) and "answered at" in again_err
