@@ -483,8 +483,11 @@ def context_length(model: Any, workload: Any) -> tuple[int, str]:
     """(the longest sequence the model takes, what says so): a learned position table's rows, else the
     config's ``max_position_embeddings`` (or ``n_positions``), else :data:`DEFAULT_SEQ_LIMIT`."""
     from llmem_plugin.models import modelbuild
-    from llmem_plugin.models.config import resolve_config
+    from llmem_plugin.models.config import is_litgpt_source, resolve_config
 
+    if is_litgpt_source(model):  # litgpt's GPT refuses a sequence past its block size (llmem_plugin.models.litgpt)
+        n = int(modelbuild.build_model(model, dataclasses.replace(workload, seq_len=1)).config.block_size)
+        return n, f"the model's block size ({n}); litgpt refuses longer sequences"
     try:
         config = resolve_config(model)
     except ConfigError:
