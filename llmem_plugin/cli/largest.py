@@ -71,6 +71,8 @@ def max_command(args: argparse.Namespace) -> int:
     from llmem_plugin.errors import ConfigError, WontFitError
     from llmem_plugin.planner import largest
 
+    if args.headroom is not None:  # refused before anything is built: the GPU's capacity is the catalog's
+        largest.headroom_bytes(args.headroom, target_gpu(args).capacity_bytes)
     if args.deepspeed_config is not None:
         _deepspeed_args(args)
     kwargs = _search_kwargs(args)
