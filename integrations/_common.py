@@ -349,8 +349,7 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
 
     if not 0 <= margin < 1:
         raise ConfigError(f"margin must be in [0, 1), got {margin!r}. HINT: e.g. margin=0.05 keeps 5% free")
-    if live.lora is not None and workload.lora is not None and live.quant is None:
-        workload = dataclasses.replace(workload, lora=None)  # QLoRA keeps it: it validates the quantization
+    workload = _live_adapters(live, workload)
     capacity = gpu_memory if gpu_memory is not None else gpu.capacity_bytes
     target = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None) if gpu_memory else gpu
     limit = int(capacity * (1 - margin))
@@ -370,6 +369,14 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
                  report=report_text(est, gpu=target), host_fits=host_fits)
 
 
+def _live_adapters(live: LiveModel, workload: Workload) -> Workload:
+    """``workload`` without its LoRA where the live module already holds the adapters (the structure copy
+    traces them); QLoRA keeps it: it validates the quantization."""
+    if live.lora is not None and workload.lora is not None and live.quant is None:
+        return dataclasses.replace(workload, lora=None)
+    return workload
+
+
 def largest_batch(live: LiveModel, workload: Workload, *, method: str = "single", num_gpus: int = 1,
                   num_nodes: int = 1, gpu: GPU, gpu_memory: int | None = None, headroom: float | int | str,
                   options: dict[str, Any] | None = None, limit: int | None = None) -> Any:
@@ -384,11 +391,9 @@ def largest_batch(live: LiveModel, workload: Workload, *, method: str = "single"
     from llmem_plugin.methods.layout import Layout
     from llmem_plugin.planner.largest import max_batch_size
 
-    if live.lora is not None and workload.lora is not None and live.quant is None:
-        workload = dataclasses.replace(workload, lora=None)  # the live module holds its adapters (as check)
-    target = dataclasses.replace(gpu, memory_bytes=gpu_memory, driver_memory_bytes=None) if gpu_memory else gpu
-    kw = {"gpu": target, "method": method, "layout": Layout(num_gpus=num_gpus, num_nodes=num_nodes),
-          "options": options}
+    workload = _live_adapters(live, workload)
+    kw = {"gpu": gpu, "gpu_memory": gpu_memory, "method": method,
+          "layout": Layout(num_gpus=num_gpus, num_nodes=num_nodes), "options": options}
     try:
         return max_batch_size(live.module, workload, headroom=headroom, limit=limit, **kw)
     except WontFitError:

@@ -546,10 +546,7 @@ def largest_batch(model: Any, training_args: Any, *, seq_len: int, gpu: Any = No
     """
     from llmem_plugin.planner.largest import DEFAULT_HEADROOM
 
-    if isinstance(gpu, str) or gpu is None:
-        gpu, memory = _common.resolve_target(gpu, gpu_memory)
-    else:
-        memory = gpu_memory
+    gpu, memory = _common.resolve_target(gpu, gpu_memory)
     live = _common.live_model(model)
     config = live.config
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "vision_config", None) is not None:

@@ -293,6 +293,20 @@ def _precision(trainer: Any, param_dtype: Any) -> Any:
     return _common.precision_of(dtype, bf16=flag == "bf16-mixed", fp16=flag == "16-mixed")
 
 
+def _workload(trainer: Any, live: Any, *, seq_len: int, micro_batch: int, optimizer: str) -> Any:
+    """The Workload of the Trainer's job on ``live``: its accumulation, precision, checkpointing, attention
+    and quantized adapters; the sequence, micro-batch and optimizer as given."""
+    from llmem_plugin.workload import Workload
+
+    attn = getattr(live.config, "_attn_implementation", None)
+    return Workload(seq_len=seq_len, micro_batch_size=micro_batch,
+                    grad_accum_steps=int(trainer.accumulate_grad_batches),
+                    precision=_precision(trainer, live.param_dtype), optimizer=optimizer,
+                    grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
+                    attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="lightning",
+                    **({"lora": live.lora, **live.quant} if live.quant else {}))
+
+
 class _AutoStrategyMixin:
     """The behaviour of :class:`LLMemAutoStrategy`, shared by both Lightning packages."""
 
@@ -452,8 +466,6 @@ class _AutoStrategyMixin:
         from lightning_utilities.core.imports import module_available
         from llmem_plugin.integrations import _common
 
-        from llmem_plugin.workload import Workload
-
         try:
             gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
         except ConfigError as e:  # the machine's: no CUDA and no gpu, a device the catalog lacks
@@ -477,13 +489,8 @@ class _AutoStrategyMixin:
         if kind is None:
             raise LLMemError(f"optimizer {type(optimizer).__name__} is not modelled (torch.optim AdamW, SGD and "
                              "Adafactor are)")
-        attn = getattr(live.config, "_attn_implementation", None)
-        workload = Workload(seq_len=self.seq_len or seq_len, micro_batch_size=micro_batch,
-                            grad_accum_steps=int(trainer.accumulate_grad_batches),
-                            precision=_precision(trainer, live.param_dtype), optimizer=kind,
-                            grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
-                            attn_implementation=attn if attn in ("sdpa", "eager") else "auto",
-                            runner="lightning", **({"lora": live.lora, **live.quant} if live.quant else {}))
+        workload = _workload(trainer, live, seq_len=self.seq_len or seq_len, micro_batch=micro_batch,
+                             optimizer=kind)
         accelerator = "cuda" if type(trainer.accelerator).__name__ == "CUDAAccelerator" else "cpu"
         tensor_parallel = _overrides_configure_model(pl_module)
         methods = methods_for(accelerator, world_size=world, tensor_parallel=tensor_parallel,
@@ -726,7 +733,6 @@ class _FinderMixin:
 
     def _largest(self, trainer: Any, pl_module: Any) -> Any:
         from llmem_plugin.integrations import _common
-        from llmem_plugin.workload import Workload
 
         gpu, memory = _common.resolve_target(self.gpu, self.gpu_memory)
         live = _common.live_model(pl_module)
@@ -745,13 +751,7 @@ class _FinderMixin:
         if method is None or (method == "single") != (world == 1):
             raise LLMemError(f"strategy {type(trainer.strategy).__name__} on {world} device(s) is not searched "
                              "(single device and DDP are)")
-        attn = getattr(live.config, "_attn_implementation", None)
-        wl = Workload(seq_len=seq_len, micro_batch_size=self._init_val,
-                      grad_accum_steps=int(trainer.accumulate_grad_batches),
-                      precision=_precision(trainer, live.param_dtype), optimizer=kind,
-                      grad_checkpointing=bool(getattr(live.module, "is_gradient_checkpointing", False)),
-                      attn_implementation=attn if attn in ("sdpa", "eager") else "auto", runner="lightning",
-                      **({"lora": live.lora, **live.quant} if live.quant else {}))
+        wl = _workload(trainer, live, seq_len=seq_len, micro_batch=self._init_val, optimizer=kind)
         return _common.largest_batch(live, wl, method=method, num_gpus=world, num_nodes=int(trainer.num_nodes),
                                      gpu=gpu, gpu_memory=memory, headroom=self.headroom, limit=self._max_val + 1)
 

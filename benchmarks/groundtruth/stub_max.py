@@ -92,30 +92,21 @@ def search(config: MaxConfig) -> Any:
     import torch
 
     from benchmarks.groundtruth.matrix import case_config
-    from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import Layout
     from llmem_plugin.planner import largest
     from llmem_plugin.workload import Workload
 
-    import dataclasses
-
-    gpu = dataclasses.replace(get_gpu(GPU), memory_bytes=_bytes(config.gpu_memory), driver_memory_bytes=None)
     fn = largest.max_batch_size if config.what == "batch_size" else largest.max_seq_len
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        return fn(case_config("llama-3.2-1b", config.overrides), Workload(**config.workload), gpu=gpu, headroom=0.0,
+        return fn(case_config("llama-3.2-1b", config.overrides), Workload(**config.workload), gpu=GPU,
+                  gpu_memory=config.gpu_memory, headroom=0.0,
                   method=config.method, layout=Layout(num_gpus=config.world), lengths=config.seq_lens,
                   steps=config.steps if config.seq_lens else None, multiple_of=config.multiple_of,
                   **({"limit": 4096} if config.what == "seq_len" else {}))
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
-
-
-def _bytes(size: str) -> int:
-    from llmem_plugin.device.gpus import parse_memory
-
-    return parse_memory(size, what="GPU memory")
 
 
 def check(config: MaxConfig) -> dict[str, Any]:

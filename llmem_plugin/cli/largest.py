@@ -200,4 +200,6 @@ def _verdict(r, flag: str) -> str:
 
 
 def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    from llmem_plugin.summary import gib
+
+    return f"{gib(nbytes)} GiB"
