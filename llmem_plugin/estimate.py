@@ -162,6 +162,10 @@ class Estimate:
     # setup mark). The peaks above cover it: the replay starts there.
     setup_allocated_bytes: int | None = None
     setup_reserved_bytes: int | None = None
+    # With estimate(keep_trace=True): the traced step and the allocator settings it was replayed
+    # under, for llmem_plugin.snapshot (the predicted snapshot); None otherwise.
+    trace: TraceResult | None = field(default=None, repr=False, compare=False)
+    alloc_config: AllocatorConfig | None = field(default=None, repr=False, compare=False)
 
     @property
     def host_fits(self) -> bool:
@@ -718,6 +722,7 @@ def estimate(
     alloc_conf: AllocatorConfig | str | None = None,
     torch_version: str | None = None,
     host_memory: int | str | None = None,
+    keep_trace: bool = False,
     **workload_fields: Any,
 ) -> Estimate:
     """Trace a fine-tuning step of ``model`` under fake tensors and report its peak.
@@ -757,6 +762,8 @@ def estimate(
             against: bytes, a size string ("64GiB"), "local" (this machine's
             RAM), or None for the catalog's instance with this GPU
             (:func:`llmem_plugin.device.host.resolve_host_memory`).
+        keep_trace: Keep the traced step on the estimate (``Estimate.trace``), from which
+            :func:`llmem_plugin.snapshot.predict.snapshot_of` makes the predicted memory snapshot.
 
     Returns:
         The :class:`Estimate`.
@@ -778,7 +785,13 @@ def estimate(
     built = _build(model, inputs, torch_version=torch_version)
     traced = _trace_model(model, inputs, built, mode="fast" if fast else "full" if full else "auto")
     replayed = _replay(traced, inputs, built)
-    return _assemble(model, inputs, built, traced, replayed, seconds=time.perf_counter() - t0)
+    est = _assemble(model, inputs, built, traced, replayed, seconds=time.perf_counter() - t0)
+    if keep_trace:
+        if traced.extrapolated is not None:
+            raise UnsupportedError("the predicted snapshot needs the step's event stream, and fast mode "
+                                   "extrapolated the peaks instead of building it. HINT: drop --fast")
+        est = dataclasses.replace(est, trace=traced.result, alloc_config=inputs.alloc_config)
+    return est
 
 
 # The steps of estimate(), in the order it runs them: resolve the inputs, build

@@ -43,6 +43,8 @@ __all__ = ["run_case"]
 
 # HF Trainer's default learning rate (TrainingArguments.learning_rate), as llmem_plugin.trace.step.
 _LR = 5e-5
+# A folder: each case's allocator history from the peak reset on is dumped there as a snapshot.
+SNAPSHOT_ENV = "LLMEM_STUB_SNAPSHOT_DIR"
 
 
 class _Nvml:
@@ -112,6 +114,10 @@ class _Recorder:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        if os.environ.get(SNAPSHOT_ENV):
+            # The allocator's history from here on (no stacks: the comparison is of the actions), dumped
+            # when the case ends (run_case): tests/stub/test_snapshot.py sets it against the predicted one.
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None)
 
     def record(self, step: int) -> None:
         import torch
@@ -127,6 +133,16 @@ class _Recorder:
         self.row["steps"].append(rows.step_record(
             step, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), used))
         self.progress(self.row)
+        _dump_snapshot(self.row["id"])  # after every step: the last one written ends with the last step
+
+
+def _dump_snapshot(case_id: str) -> None:
+    """With ``SNAPSHOT_ENV`` set to a folder: the allocator's recorded history to ``FOLDER/<case id>.pickle``."""
+    folder = os.environ.get(SNAPSHOT_ENV)
+    if folder:
+        import torch
+
+        torch.cuda.memory._dump_snapshot(os.path.join(folder, f"{case_id}.pickle"))
 
 
 def _gpu_info(nvml: _Nvml | None, idle_used: int | None) -> dict:

@@ -370,6 +370,9 @@ STUB_CASES: list[Case] = [
           prefix="tiny4-", loop="plain-loop", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
     _case("llama-3.2-1b", "bf16", 256, 4, accum=2, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", loss="chunked", loss_chunks=4, loss_chunk_upcast=False),
+    # The plain step, the real run `llmem compare` is checked against (tests/stub/test_snapshot.py): predicted
+    # at batch 1, or with the 16-bit loss, it names the difference.
+    _case("llama-3.2-1b", "bf16-mixed", 256, 2, overrides={**_TINY4, "head_dim": 16}, prefix="tiny4-"),
     # Reentrant checkpointing (LLaMA-Factory's default): each layer's forward reruns inside a nested backward.
     _case("llama-3.2-1b", "bf16", 256, 4, gc=True, lora=LoraSpec(rank=4), overrides={**_TINY4, "head_dim": 16},
           prefix="tiny4-", checkpoint_reentrant=True),

@@ -244,6 +244,13 @@ class CachingAllocator:
         self._next_base = _SEGMENT_GAP
         # With config.large_segments_descend, new large segments are placed top-down from here.
         self._next_top = _DESCENDING_TOP
+        # When a list: every action, as ``(action, address, bytes)`` in the order
+        # torch's _record_memory_history records them (TraceEntry::Action).
+        self.history: list[tuple[str, int, int]] | None = None
+
+    def _note(self, action: str, addr: int, nbytes: int) -> None:
+        if self.history is not None:
+            self.history.append((action, addr, nbytes))
 
     # ------------------------------------------------------------ sizing rules
     def round_size(self, size: int) -> int:
@@ -295,6 +302,8 @@ class CachingAllocator:
                 or (self._release_cached_blocks() and self._alloc_block(pool, size, alloc_size, retry=True))
             )
             if not block:
+                # DeviceCachingAllocator::malloc records TraceEntry::OOM (its size is the request) before raising.
+                self._note("oom", 0, nbytes)
                 raise SimulatedOOM(
                     f"request of {nbytes} B: {self.stats.allocated} B allocated, {self.stats.reserved} B reserved"
                 )
@@ -309,11 +318,16 @@ class CachingAllocator:
         st.requested += nbytes
         st.peak_allocated = max(st.peak_allocated, st.allocated)
         st.peak_requested = max(st.peak_requested, st.requested)
+        self._note("alloc", block.addr, nbytes)  # TraceEntry::ALLOC carries the size asked for
         return block.addr
 
     def free(self, addr: int) -> None:
         """free_block(): return the block to its pool, merged with free neighbours."""
         block = self._live.pop(addr)
+        # free(): FREE_REQUESTED, then (no other stream uses the block) free_block()'s FREE_COMPLETED,
+        # both with the block's requested size.
+        self._note("free_requested", block.addr, block.requested)
+        self._note("free_completed", block.addr, block.requested)
         block.allocated = False
         self.stats.allocated -= block.size
         self.stats.requested -= block.requested
@@ -332,9 +346,9 @@ class CachingAllocator:
         st.peak_allocated, st.peak_requested = st.allocated, st.requested
         st.peak_reserved, st.allocated_at_peak_reserved = st.reserved, st.allocated
 
-    def segments(self) -> list[list[tuple[int, bool]]]:
-        """Each held segment as its blocks' (size, allocated), in address order
-        (unmapped parts of expandable segments left out)."""
+    def segment_blocks(self) -> list[list[_Block]]:
+        """Each held segment's blocks in address order (an expandable segment's unmapped ranges included:
+        ``mapped`` is False on them), segments in address order."""
         heads = {}
         for pool in (self.small, self.large):
             for b in [*pool.blocks.values(), *pool.unmapped_blocks.values()]:
@@ -347,9 +361,17 @@ class CachingAllocator:
                 b = b.prev
             blocks = []
             while b is not None:
-                if b.mapped:
-                    blocks.append((b.size, b.allocated))
+                blocks.append(b)
                 b = b.next
+            out.append(blocks)
+        return out
+
+    def segments(self) -> list[list[tuple[int, bool]]]:
+        """Each held segment as its blocks' (size, allocated), in address order
+        (unmapped parts of expandable segments left out)."""
+        out = []
+        for seg in self.segment_blocks():
+            blocks = [(b.size, b.allocated) for b in seg if b.mapped]
             if blocks:
                 out.append(blocks)
         return out
@@ -414,6 +436,7 @@ class CachingAllocator:
             self._next_base += alloc_size + _SEGMENT_GAP
         self._add_reserved(alloc_size)
         self.stats.segments.add(seg.base)
+        self._note("segment_alloc", seg.base, alloc_size)
         return _Block(seg.base, alloc_size, pool.small, seg)
 
     def _add_reserved(self, nbytes: int) -> None:
@@ -447,6 +470,7 @@ class CachingAllocator:
         pool.erase(block)
         self.stats.reserved -= block.size
         self.stats.segments.discard(block.segment.base)
+        self._note("segment_free", block.addr, block.size)
 
     def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
         """release_available_cached_blocks(): with max_split_size set, free the
@@ -477,7 +501,8 @@ class CachingAllocator:
         pools, and unmap the free pages of expandable segments."""
         for pool in (self.large, self.small):
             to_unmap = []
-            for b in list(pool.blocks.values()):
+            # release_blocks() walks the pool's std::set, ordered by BlockComparatorSize (size, then address).
+            for b in [pool.blocks[a] for _, a in list(pool.keys)]:
                 if b.segment.expandable:
                     to_unmap.append(b)
                 elif not b.is_split:
@@ -569,6 +594,7 @@ class CachingAllocator:
         if not self._fits_device(mapped):
             return False
         pool.erase_unmapped(blk)
+        at = blk.addr
         if mapped < blk.size:
             pool.insert_unmapped(blk.split(mapped))  # the rest stays unmapped
         blk.mapped = True
@@ -576,6 +602,7 @@ class CachingAllocator:
         self._try_merge(blk, blk.next, pool)
         pool.insert(blk)
         self._add_reserved(mapped)
+        self._note("segment_map", at, mapped)
         return True
 
     def _unmap_block(self, blk: _Block, pool: _Pool) -> None:
@@ -597,6 +624,7 @@ class CachingAllocator:
         self._try_merge(blk, blk.next, pool)
         pool.insert_unmapped(blk)
         self.stats.reserved -= end - start
+        self._note("segment_unmap", start, end - start)
         if not blk.is_split:  # release_expandable_segment()
             pool.erase_unmapped(blk)
             self.stats.segments.discard(blk.segment.base)

@@ -117,6 +117,7 @@ class RankTracker(StreamTracker):
         with _pause.untracked():  # seen below, through wrapper subclasses
             out = self._run(func, args, kwargs)
         if seeing:
+            self._op = func
             for t in _inner_tensors(out):
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
         return out

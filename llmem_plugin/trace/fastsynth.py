@@ -42,7 +42,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmem_plugin.models.layerkinds import LayerPlan
-from llmem_plugin.trace.tracker import Phase, TraceResult, round_allocation
+from llmem_plugin.trace.tracker import Phase, RecordTable, TraceResult, round_allocation
 
 __all__ = ["SynthesisError", "full_depth_trace", "synthesize"]
 
@@ -102,7 +102,7 @@ def _stream(trace: TraceResult, plan: LayerPlan, units: int) -> _Stream:
 
 
 def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
-               ) -> tuple[list[tuple[int, int, int]], list[Phase], dict[str, int]]:
+               ) -> tuple[list[tuple[int, int, int]], list[Phase], dict[str, int], list[tuple[int, int]]]:
     """``s`` with ``d`` copies of unit ``k``'s runs added (``d = -1``: its runs taken out).
 
     ``growth``: requested bytes per unit of records outside the layers that
@@ -111,7 +111,8 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
 
     Returns:
         The events (``(sign, key, bytes)``, keys numbered from 0), each
-        event's phase, and the marks moved to the new positions.
+        event's phase, the marks moved to the new positions, and per key the
+        record of ``s`` it copies with the units it moved by.
     """
     assert d >= -1, "a unit can be added any number of times, or taken out once"
     ev, seg = s.events, s.seg
@@ -140,6 +141,7 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
     out: list[tuple[int, tuple, int]] = []
     out_phase: list[Phase] = []
     pos: dict[int, int] = {}
+    origin: dict[tuple, int] = {}  # key -> the record of s it copies
 
     def emit(a: int, b: int, copy_of: int | None, deferred: list[int] | None, *, keep_global_only: bool = False) -> None:
         for e in range(a, b):
@@ -158,6 +160,7 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
                 nbytes = round_allocation(s.requested[r] + d * growth[r])
             out.append((sign, key(r, copy_of, seg[e]), nbytes))
             out_phase.append(s.phase[e])
+            origin.setdefault(out[-1][1], r)
 
     previous: int | None = None  # the last layer unit that ran
     for n, (a, b) in enumerate(runs):
@@ -186,11 +189,13 @@ def synthesize(s: _Stream, k: int, d: int, growth: dict[int, int] | None = None
                 nbytes = round_allocation(s.requested[r] + d * growth[r])
             out.append((sign, key(r, None, None), nbytes))
             out_phase.append(s.phase[e])
+            origin.setdefault(out[-1][1], r)
         previous = k
     ids: dict[tuple, int] = {}
     events = [(sign, ids.setdefault(kk, len(ids)), nbytes) for sign, kk, nbytes in out]
     marks = {name: pos.get(p, len(out)) for name, p in s.marks.items()}
-    return events, out_phase, marks
+    sources = [(origin[kk], 0 if s.unit[origin[kk]] is None else kk[0] - s.unit[origin[kk]]) for kk in ids]
+    return events, out_phase, marks, sources
 
 
 def _canonical(events: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -207,7 +212,7 @@ def _canonical(events: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]
 
 
 def _check(made: tuple, want: _Stream, what: str) -> None:
-    events, phases, marks = made
+    events, phases, marks, _ = made
     a, b = _canonical(events), _canonical(want.events)
     if a != b:
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -271,7 +276,7 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
     _check(synthesize(s_long, k, -1, by_long), s_short, "the longer copy with one period taken out")
     if plan.traced >= 3:
         _check(synthesize(s_short, k, 1, by_short), s_long, "the shorter copy with one period added")
-    events, phases, marks = synthesize(s_long, k, plan.repeats - plan.traced - 1, by_long)
+    events, phases, marks, sources = synthesize(s_long, k, plan.repeats - plan.traced - 1, by_long)
     timeline: list[tuple[int, Phase, int]] = []
     cur = peak = 0
     for i, ((sign, _, nbytes), phase) in enumerate(zip(events, phases)):
@@ -283,4 +288,22 @@ def full_depth_trace(short: TraceResult, long: TraceResult, plan: LayerPlan, res
     elif peak != result.peak_bytes:
         raise SynthesisError(f"the built stream peaks at {peak} B of tensors, the per-layer extrapolation "
                              f"at {result.peak_bytes} B")
-    return dataclasses.replace(result, events=events, timeline=timeline, marks=marks, num_events=len(events))
+    return dataclasses.replace(result, events=events, timeline=timeline, marks=marks, num_events=len(events),
+                               records=_moved_records(long, sources, plan.period))
+
+
+def _moved_records(long: TraceResult, sources: list[tuple[int, int]], period: int) -> RecordTable | None:
+    """The records of the built stream: each key's record of ``long``, its module path moved by the units
+    (``period`` layers each) its copy moved."""
+    table, prefix = long.records, long.layer_tags.prefix
+    if table is None:
+        return None
+    modules = []
+    for r, units in sources:
+        module = table.module[r]
+        if units and prefix and module.startswith(prefix + "."):
+            head, _, rest = module[len(prefix) + 1:].partition(".")
+            if head.isdigit():
+                module = f"{prefix}.{int(head) + units * period}" + (f".{rest}" if rest else "")
+        modules.append(module)
+    return table.take([r for r, _ in sources], modules)

@@ -64,12 +64,14 @@ class LayerTags:
         record_requested: Per record index, the bytes its storage asked for
             before the allocator's rounding (a buffer that grows with depth
             grows by a constant in these, not in the rounded ones).
+        prefix: The decoder layer list's module path (``model.layers``).
     """
 
     event_layer: list[int | None]
     record_layer: list[int | None]
     record_role: list[tuple[str, str, int]]
     record_requested: list[int] | None = None
+    prefix: str | None = None
 
 
 def _flat(args: tuple, kwargs: dict | None) -> list[Any]:
@@ -131,6 +133,7 @@ class LayerTaggingTracker(MemoryTracker):
 
     # ---------------------------------------------------------------- tagging
     def register(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
+        self._op = None
         for t in tensors:
             self._override = self._tensor_layer.get(id(t))
             self._see(t.untyped_storage(), category)
@@ -181,6 +184,7 @@ class LayerTaggingTracker(MemoryTracker):
             self._pending = []
         orphan = optimizer and single and not any(isinstance(x, torch.Tensor) for x in _flat(args, kwargs))
         outer = self._override  # an owned_by block around the op: its parameter's layer wins
+        self._op = func
         for t, tag in zip(outs, tags):
             self._override = tag if outer is _UNSET else outer
             n = len(self._records)
@@ -217,5 +221,5 @@ class LayerTaggingTracker(MemoryTracker):
         assert len(device) == len(res.events), "one layer per device event"
         roles = [(self._role(r.module), r.phase.value, r.nbytes) for r in self._records]
         tags = LayerTags(event_layer=device, record_layer=list(self._record_layer), record_role=roles,
-                         record_requested=list(self._record_requested))
+                         record_requested=list(self._record_requested), prefix=self._prefix)
         return dataclasses.replace(res, layer_tags=tags if self._prefix else None)

@@ -250,7 +250,11 @@ def splice(setup, step):
     phase_peaks[Phase.SETUP] = max(phase_peaks.get(Phase.SETUP, 0), setup_peak)
     peak = max(step.peak_bytes + shift, setup_peak)
     changes = {"events": events, "timeline": timeline, "marks": marks, "num_events": len(events),
-               "phase_peaks": phase_peaks}
+               "phase_peaks": phase_peaks, "records": None}
+    if step.records is not None and setup.records is not None:  # keys below offset are the step's, the rest the setup's
+        keep = list(range(min(offset, len(step.records))))
+        fill = [0] * (offset - len(keep))  # keys no event uses
+        changes["records"] = step.records.take(keep + fill).joined(setup.records)
     if setup_peak > step.peak_bytes + shift:
         changes.update(peak_bytes=peak, peak_phase=Phase.SETUP, peak_module="", breakdown=dict(setup.breakdown))
     else:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmem_plugin.trace import _pause
 from llmem_plugin.trace.foreign_kernels import pytorch_meta_kernels
 
-__all__ = ["MemoryCategory", "Phase", "MemoryTracker", "TraceResult", "round_allocation"]
+__all__ = ["MemoryCategory", "Phase", "MemoryTracker", "RecordTable", "TraceResult", "round_allocation"]
 
 # c10/cuda/CUDACachingAllocator.cpp (torch 2.6 - 2.13): kMinBlockSize = 512 and
 # round_size() rounds every request up to a multiple of it (a 1-byte request
@@ -84,6 +84,43 @@ class _Storage:
     phase: Phase
     module: str
     ref: Any = None  # weakref to the storage object
+    requested: int = 0  # bytes the storage asked for, before the allocator's rounding
+    op: Any = None  # the ATen op whose output it is (None: registered, e.g. a parameter)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordTable:
+    """What each record (the key of an event) is, for the predicted snapshot's frames.
+
+    Attributes:
+        category: Per record, its final :class:`MemoryCategory` value.
+        module: Per record, the module running when it was made ("" outside the model).
+        phase: Per record, the :class:`Phase` value it was made in.
+        op: Per record, the ATen op that made it ("" for a registered tensor).
+        requested: Per record, the bytes asked for before the allocator's rounding.
+    """
+
+    category: list[str]
+    module: list[str]
+    phase: list[str]
+    op: list[str]
+    requested: list[int]
+
+    def __len__(self) -> int:
+        return len(self.category)
+
+    def joined(self, other: "RecordTable") -> "RecordTable":
+        """This table, then ``other``'s records numbered after it."""
+        return RecordTable(category=self.category + other.category, module=self.module + other.module,
+                           phase=self.phase + other.phase, op=self.op + other.op,
+                           requested=self.requested + other.requested)
+
+    def take(self, order: list[int], module: list[str] | None = None) -> "RecordTable":
+        """The records in ``order`` (new key i is old record ``order[i]``), modules replaced by ``module``."""
+        return RecordTable(category=[self.category[r] for r in order],
+                           module=module if module is not None else [self.module[r] for r in order],
+                           phase=[self.phase[r] for r in order], op=[self.op[r] for r in order],
+                           requested=[self.requested[r] for r in order])
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +145,8 @@ class TraceResult:
         layer_tags: The decoder layer of every record and event
             (:class:`llmem_plugin.trace.layertags.LayerTags`), from a
             :class:`~llmem_plugin.trace.layertags.LayerTaggingTracker` only.
+        records: What each event key is (:class:`RecordTable`), or None
+            where the stream was made without it (an extrapolation).
     """
 
     peak_bytes: int
@@ -122,6 +161,7 @@ class TraceResult:
     host_peak_bytes: int = 0
     marks: dict[str, int] = field(repr=False, default_factory=dict)
     layer_tags: Any = field(repr=False, default=None)
+    records: RecordTable | None = field(repr=False, default=None)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -152,6 +192,7 @@ class MemoryTracker(TorchDispatchMode):
         self._kernels: contextlib.ExitStack | None = None
         self._module_names: dict[int, str] = {}
         self._marks: dict[str, int] = {}  # "name:phase" -> index into _events
+        self._op: Any = None  # the op whose outputs _see is looking at (None: a registered tensor)
 
     # ------------------------------------------------------------------ setup
     def watch_modules(self, model: torch.nn.Module) -> None:
@@ -230,6 +271,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def register(self, tensors: list[torch.Tensor], category: MemoryCategory) -> None:
         """Record ``tensors`` (seen already or not) as allocated, under ``category``."""
+        self._op = None
         for t in tensors:
             self._see(t.untyped_storage(), category)
         self.label(tensors, category)
@@ -270,6 +312,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = self._run(func, args, kwargs)
         if not _pause.is_paused():
+            self._op = func
             for t in _tensors_in(out):
                 self._see(t.untyped_storage(), MemoryCategory.TEMPORARY)
         return out
@@ -301,7 +344,8 @@ class MemoryTracker(TorchDispatchMode):
     def _see(self, storage: torch.UntypedStorage, category: MemoryCategory) -> None:
         key = id(storage)
         idx = self._live.get(key)
-        nbytes = round_allocation(storage.nbytes())
+        requested = storage.nbytes()
+        nbytes = round_allocation(requested)
         if idx is not None:
             rec = self._records[idx]
             if rec.nbytes == nbytes:
@@ -310,7 +354,7 @@ class MemoryTracker(TorchDispatchMode):
             self._free(key)
         if nbytes == 0:
             return
-        rec = _Storage(nbytes, category, self.phase, self.current_module)
+        rec = _Storage(nbytes, category, self.phase, self.current_module, None, int(requested), self._op)
         idx = len(self._records)
         self._records.append(rec)
         self._live[key] = idx
@@ -384,7 +428,20 @@ class MemoryTracker(TorchDispatchMode):
             events=events,
             host_peak_bytes=host_peak,
             marks={**marks, **{n: len(events) for n, i in self._marks.items() if i >= len(self._events)}},
+            records=self._record_table(),
         )
+
+    def _record_table(self) -> RecordTable:
+        names: dict[Any, str] = {None: ""}
+        ops = []
+        for r in self._records:
+            name = names.get(r.op)
+            if name is None:
+                name = names[r.op] = str(r.op)
+            ops.append(name)
+        recs = self._records
+        return RecordTable(category=[r.category.value for r in recs], module=[r.module for r in recs],
+                           phase=[r.phase.value for r in recs], op=ops, requested=[r.requested for r in recs])
 
     def _breakdowns_at(self, indices: list[int]) -> dict[int, dict[MemoryCategory, int]]:
         """Bytes per category live right after each event index in ``indices``."""

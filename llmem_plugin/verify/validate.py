@@ -55,7 +55,7 @@ from typing import Any
 from llmem_plugin.errors import ConfigError, LLMemError, UnsupportedError
 
 __all__ = ["DEVICE_KINDS", "METRICS", "MetricSummary", "RowCheck", "ValidationReport", "check_row", "device_kind",
-           "load_rows", "method_row", "validate_rows"]
+           "estimate_row", "load_rows", "method_row", "validate_rows"]
 
 METRICS = ("allocated", "reserved", "device_total")
 # benchmarks/groundtruth/rows.py DEVICE_KINDS: the evidence a row is.
@@ -460,8 +460,6 @@ def _as_harness_built(row: dict[str, Any]) -> dict[str, Any]:
 
 def _predict_as_run(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
                     cache: dict[str, Any] | None) -> tuple[dict[str, int | None], bool | None]:
-    from llmem_plugin.device.gpus import get_gpu, match_device_name
-
     config = _model_config(row)
     wl = _workload(row["workload"])
     if row.get("runner") == "hf-trainer":  # rows written before Workload.runner existed
@@ -472,6 +470,18 @@ def _predict_as_run(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
     if row["device"] == "cpu":
         p = _estimate_row(row, config, wl, cache=cache, fast=fast, torch_version=env.get("torch"))
         return {"allocated": p["tensor"], "reserved": None, "device_total": None}, None
+    gpu = _row_gpu(row, gpu_name)
+    p = _estimate_row(row, config, wl, cache=cache, fast=fast, gpu=gpu,
+                      alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_version=env.get("torch"))
+    return {"allocated": p["allocated"], "reserved": p["reserved"], "device_total": p["device_total"]}, p["fits"]
+
+
+def _row_gpu(row: dict[str, Any], gpu_name: str | None = None) -> Any:
+    """The catalog GPU the row ran on (or ``gpu_name``), with the memory its process could use."""
+    import dataclasses
+
+    from llmem_plugin.device.gpus import get_gpu, match_device_name
+
     info = row.get("gpu") or {}
     gpu = get_gpu(gpu_name) if gpu_name else match_device_name(info.get("name", ""))
     if gpu is None:
@@ -481,13 +491,30 @@ def _predict_as_run(row: dict[str, Any], *, fast: bool, gpu_name: str | None,
     capacity = info.get("memory_bytes")
     if capacity is not None:
         capacity -= info.get("idle_used_bytes") or 0
+        gpu = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None)
+    return gpu
+
+
+def estimate_row(row: dict[str, Any], *, keep_trace: bool = False, **changes: Any) -> Any:
+    """The single-GPU estimate of a GPU or stub row, as :func:`validate_rows` makes it (the harness's
+    SDPA backends and loading), with ``changes`` to its workload (``batch_size=1``: what a job that
+    differs from the run predicts); ``keep_trace`` as for :func:`llmem_plugin.estimate.estimate`.
+
+    Raises:
+        UnsupportedError: A distributed or variable-length row.
+    """
     import dataclasses
 
-    if capacity is not None:
-        gpu = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None)
-    p = _estimate_row(row, config, wl, cache=cache, fast=fast, gpu=gpu,
-                      alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_version=env.get("torch"))
-    return {"allocated": p["allocated"], "reserved": p["reserved"], "device_total": p["device_total"]}, p["fits"]
+    from llmem_plugin.estimate import estimate
+
+    if (row.get("method") or {}).get("name", "single") != "single" or row.get("seq_lens") is not None:
+        raise UnsupportedError(f"row '{row['id']}': estimate_row covers single-GPU, fixed-shape rows")
+    with _sdpa_backends(row), _harness_loading(row):
+        built = _as_harness_built(row)
+        wl = dataclasses.replace(_workload(built["workload"]), **changes)
+        env = row.get("env") or {}
+        return estimate(_model_config(built), wl, gpu=_row_gpu(row), alloc_conf=env.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                        torch_version=env.get("torch"), keep_trace=keep_trace)
 
 
 def _measured(row: dict[str, Any]) -> dict[str, int | None]:

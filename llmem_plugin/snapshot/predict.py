@@ -1,0 +1,319 @@
+"""The predicted allocator history of a traced step, in PyTorch's memory-snapshot format.
+
+``torch.cuda.memory._record_memory_history()`` makes the caching allocator
+log every action (``alloc``, ``free_requested``, ``free_completed``,
+``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``,
+``oom``), and ``torch.cuda.memory._dump_snapshot(path)`` pickles them with the
+end state of every segment and block (``torch/cuda/memory.py``, ``_snapshot``'s
+docstring; ``torch/csrc/cuda/Module.cpp``). :func:`predicted_snapshot` replays
+the traced step through the simulated allocator
+(:mod:`llmem_plugin.device.allocator`) with its history on and writes the same
+structure, so PyTorch's own tools (``python -m torch.cuda._memory_viz``, the
+MemoryViz page) read a prediction as they read a real run.
+
+What differs from a real snapshot, by design:
+    * Addresses are the simulation's: segments are placed in order with a
+      1 GiB gap, where cudaMalloc returns the driver's addresses. Sizes,
+      order, streams and the blocks' layout inside each segment are the
+      allocator's rules, and equal to a real run's where the trace is.
+    * ``time_us`` is the entry's position in the history (no clock runs).
+    * Frames name what made each allocation: the module path, the ATen op,
+      the training phase and the memory category (``category`` on entries
+      and blocks too). A real snapshot's frames are Python stack frames.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmem_plugin.device.allocator import CachingAllocator, SimulatedOOM
+from llmem_plugin.device.allocator_config import AllocatorConfig
+from llmem_plugin.device.overheads import DeviceOverheads
+from llmem_plugin.errors import ConfigError
+from llmem_plugin.errors import UnsupportedError
+from llmem_plugin.estimate import Estimate, allocator_events
+from llmem_plugin.trace.tracker import Phase, TraceResult
+
+__all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "predicted_snapshot", "replay_history", "snapshot_of", "write_snapshot"]
+
+# MemoryViz.js reads pickles with its own decoder, which knows protocols 2 to 4
+# (torch/utils/viz/MemoryViz.js, the `unpickle` function); torch's own
+# _dump_snapshot uses pickle's default, 4 on Python 3.8-3.13 but 5 from 3.14.
+PICKLE_PROTOCOL = 4
+# MemoryViz colours allocations by `category` once any entry has one, and
+# looks the missing ones up as 'unknown', which must then be one of them
+# (annotate_snapshot). Allocations that are no tensor (cuBLAS workspaces) take it.
+UNKNOWN = "unknown"
+_POOL_ID = (0, 0)  # the default pool; CUDA graph pools are not modelled
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """Which event of the replayed stream an entry came from."""
+
+    event: int
+    key: int
+    phase: str
+
+
+class _Frames:
+    """Frames and category for every key, made once each (pickle then stores each dict once)."""
+
+    def __init__(self, trace: TraceResult) -> None:
+        self.records = trace.records
+        self._cache: dict[tuple[int, str], tuple[list[dict], str]] = {}
+
+    def of(self, key: int, phase: str) -> tuple[list[dict], str]:
+        got = self._cache.get((key, phase))
+        if got is None:
+            got = self._cache[(key, phase)] = self._make(key, phase)
+        return got
+
+    def _make(self, key: int, phase: str) -> tuple[list[dict], str]:
+        recs = self.records
+        if key < 0:  # allocator_events' workspaces: negative keys
+            return [{"filename": "cuBLAS", "line": 0, "name": "workspace"},
+                    {"filename": f"category:{UNKNOWN}", "line": 0, "name": phase}], UNKNOWN
+        if recs is None or key >= len(recs):
+            return [{"filename": f"category:{UNKNOWN}", "line": 0, "name": phase}], UNKNOWN
+        category = recs.category[key]
+        op = recs.op[key] or "registered"
+        return [{"filename": recs.module[key] or "<step>", "line": 0, "name": op},
+                {"filename": f"category:{category}", "line": 0, "name": recs.phase[key]}], category
+
+
+def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[int], config: AllocatorConfig, *,
+                   capacity_bytes: int | None = None, device_memory_bytes: int | None = None,
+                   start: int | None = None) -> tuple[CachingAllocator, list[tuple[str, int, int]], list[int],
+                                                      dict[int, int]]:
+    """Replay ``events`` with the allocator's history on.
+
+    Args:
+        events: ``(sign, key, bytes)``, as :func:`llmem_plugin.device.allocator.replay` takes them.
+        requested: Per event, the bytes the tensor asked for (the entry's size, as torch records it).
+        config: The allocator settings.
+        capacity_bytes: What cudaMalloc can hand out; None = unlimited.
+        device_memory_bytes: The device's memory (sizes expandable segments).
+        start: Before this event, ``torch.cuda.empty_cache()`` and then the
+            history starts (what a job records after loading); None: from the first event.
+
+    Returns:
+        The allocator at the end, its history, the event each entry came from,
+        and the key of every block live at the end, by address.
+    """
+    alloc = CachingAllocator(config, capacity_bytes=capacity_bytes, device_memory_bytes=device_memory_bytes)
+    alloc.history = [] if start is None else None
+    owner: list[int] = []
+    handles: dict[int, int] = {}
+    for i, (sign, key, nbytes) in enumerate(events):
+        if i == start:
+            alloc.empty_cache()
+            alloc.history = []
+        before = len(alloc.history) if alloc.history is not None else 0
+        if sign > 0:
+            if nbytes > 0:  # zero-byte tensors get a null pointer, no block
+                try:
+                    handles[key] = alloc.malloc(requested[i])
+                except SimulatedOOM:
+                    if alloc.history is not None:
+                        owner.extend([i] * (len(alloc.history) - before))
+                    break
+        else:
+            h = handles.pop(key, None)
+            if h is not None:
+                alloc.free(h)
+        if alloc.history is not None:
+            owner.extend([i] * (len(alloc.history) - before))
+    return alloc, alloc.history or [], owner, {addr: key for key, addr in handles.items()}
+
+
+def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, *,
+                       capacity_bytes: int | None = None, device_memory_bytes: int | None = None,
+                       start: int | None = None, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The predicted snapshot of ``trace``'s step, as ``torch.cuda.memory._snapshot()`` returns one.
+
+    Args:
+        trace: The traced step (its ``records`` name what each event is).
+        config: The allocator settings simulated.
+        overheads: The device overheads (the cuBLAS workspaces are inserted
+            as :func:`llmem_plugin.estimate.allocator_events` inserts them).
+        capacity_bytes: What the allocator may reserve (the device's memory
+            less what lies outside the allocator); None = unlimited.
+        device_memory_bytes: See :func:`replay_history`.
+        start: Trace event before which the cache is emptied and the history
+            starts (see :func:`replay_history`); None: the whole history.
+        metadata: Added under the snapshot's ``llmem`` key (what was predicted, for whom).
+
+    Returns:
+        ``{"segments", "device_traces", "allocator_settings", "external_annotations", "llmem"}``.
+    """
+    events, phases = allocator_events(trace, overheads)
+    recs = trace.records
+    requested = [(recs.requested[key] if recs is not None and 0 <= key < len(recs) else nbytes) if sign > 0 else 0
+                 for sign, key, nbytes in events]
+    begin = None
+    if start is not None:  # a trace event index -> its index among the stream's events (workspaces inserted)
+        begin = [j for j, (_, key, _) in enumerate(events) if key >= 0][start] if start < trace.num_events \
+            else len(events)
+    alloc, history, owner, live = replay_history(events, requested, config, capacity_bytes=capacity_bytes,
+                                                 device_memory_bytes=device_memory_bytes, start=begin)
+    frames = _Frames(trace)
+    entries = []
+    for n, ((action, addr, size), i) in enumerate(zip(history, owner, strict=True)):
+        entry: dict[str, Any] = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n,
+                                 "compile_context": "N/A", "user_metadata": "", "pool_id": _POOL_ID}
+        if action in ("alloc", "free_requested", "free_completed", "oom"):
+            entry["frames"], entry["category"] = frames.of(events[i][1], phases[i])
+        else:
+            entry["frames"] = []
+        if action == "oom":  # TraceEntry::OOM keeps the device's free bytes where others keep the address
+            free = (capacity_bytes - alloc.stats.reserved) if capacity_bytes is not None else 0
+            entry["addr"] = entry["device_free"] = free
+        entries.append(entry)
+    if entries and not any(e.get("category") == UNKNOWN for e in entries):
+        # MemoryViz needs 'unknown' among the categories once there are any; torch logs a
+        # 'snapshot' entry whenever a snapshot is taken while recording.
+        entries.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": len(entries),
+                        "frames": [], "category": UNKNOWN})
+    return {
+        "segments": _segments(alloc, live, frames, phases[-1] if phases else "setup"),
+        "device_traces": [entries],
+        "allocator_settings": _settings(config),
+        "external_annotations": _phase_annotations(phases, owner),
+        "llmem": {"predicted": True, "addresses": "simulated", "time_us": "entry index", **(metadata or {})},
+    }
+
+
+def snapshot_of(est: Estimate, *, after_load: bool = False) -> dict[str, Any]:
+    """The predicted snapshot of an estimate made with ``keep_trace=True``.
+
+    The replay is the one the verdict comes from (:func:`llmem_plugin.estimate.simulate_trace`'s rule):
+    without a cap where the step fits so, else capped at the capacity left outside the CUDA context
+    and workspaces, where the allocator frees its cache and retries, and where an ``oom`` entry ends
+    a step that does not fit.
+
+    Args:
+        est: The estimate.
+        after_load: Start the history once the weights are loaded, after ``torch.cuda.empty_cache()``
+            (as a job that starts recording there); default: from the first allocation.
+
+    Raises:
+        UnsupportedError: ``est`` was made without ``keep_trace``.
+    """
+    if est.trace is None or est.alloc_config is None:
+        raise UnsupportedError("this estimate kept no trace to replay. HINT: estimate(..., keep_trace=True)")
+    from llmem_plugin.trace.loading import LOADED_MARK
+
+    start = est.trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if after_load else None
+    meta = {"model": est.model, "gpu": est.gpu, "workload": est.workload.to_dict(),
+            "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
+            "device_total_bytes": est.device_total_bytes, "capacity_bytes": est.capacity_bytes, "fits": est.fits,
+            "outside_allocator_bytes": est.overheads.outside_allocator_bytes}
+    snap = predicted_snapshot(est.trace, est.alloc_config, est.overheads, start=start, metadata=meta)
+    outside = est.overheads.outside_allocator_bytes
+    if sum(s["total_size"] for s in snap["segments"]) + outside > est.capacity_bytes or \
+            _peak_reserved(snap) + outside > est.capacity_bytes:
+        snap = predicted_snapshot(est.trace, est.alloc_config, est.overheads, start=start, metadata=meta,
+                                  capacity_bytes=max(est.capacity_bytes - outside, 0))
+    return snap
+
+
+def _peak_reserved(snap: dict[str, Any]) -> int:
+    """The most bytes the history's segments held at once (the end state replayed backwards)."""
+    held = sum(s["total_size"] for s in snap["segments"])
+    peak = held
+    for e in reversed(snap["device_traces"][0]):
+        if e["action"] in ("segment_alloc", "segment_map"):
+            held -= e["size"]
+        elif e["action"] in ("segment_free", "segment_unmap"):
+            held += e["size"]
+        peak = max(peak, held)
+    return peak
+
+
+def _settings(config: AllocatorConfig) -> dict[str, Any]:
+    """The settings torch's snapshot reports (Module.cpp, ``allocator_settings``), from the simulated ones."""
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": config.to_env(),
+        "max_split_size": config.max_split_size_bytes or -1,
+        "garbage_collection_threshold": config.garbage_collection_threshold,
+        "expandable_segments": config.expandable_segments,
+    }
+
+
+def _phase_annotations(phases: list[str], owner: list[int]) -> list[dict[str, Any]]:
+    """START/END pairs around each training phase, in entry positions (as ``record_function`` ranges appear)."""
+    out: list[dict[str, Any]] = []
+    current, begun = None, 0
+    for n, i in enumerate(owner):
+        if phases[i] != current:
+            if current is not None:
+                out.append({"stage": "END", "name": current, "device": 0, "time_us": n})
+            current, begun = phases[i], n
+            out.append({"stage": "START", "name": current, "device": 0, "time_us": begun})
+    if current is not None:
+        out.append({"stage": "END", "name": current, "device": 0, "time_us": len(owner)})
+    return out
+
+
+def _segments(alloc: CachingAllocator, live: dict[int, int], frames: _Frames, phase: str) -> list[dict[str, Any]]:
+    """Every segment held at the end, its blocks in address order (the end state MemoryViz replays back from).
+
+    An expandable segment is reported as each run of mapped pages, as torch's snapshot does."""
+    out = []
+    for seg in alloc.segment_blocks():
+        run: list[Any] = []
+        for b in seg:
+            if b.mapped:
+                run.append(b)
+            elif run:
+                out.append(_segment(run, live, frames, phase))
+                run = []
+        if run:
+            out.append(_segment(run, live, frames, phase))
+    return out
+
+
+def _segment(blocks: list[Any], live: dict[int, int], frames: _Frames, phase: str) -> dict[str, Any]:
+    out_blocks = []
+    for b in blocks:
+        block: dict[str, Any] = {"address": b.addr, "size": b.size, "requested_size": b.requested,
+                                 "state": "active_allocated" if b.allocated else "inactive", "frames": []}
+        if b.allocated:
+            block["frames"], block["category"] = frames.of(live.get(b.addr, -1), phase)
+        out_blocks.append(block)
+    active = [b for b in blocks if b.allocated]
+    first = blocks[0]
+    return {
+        "device": 0, "address": first.addr, "total_size": sum(b.size for b in blocks),
+        "allocated_size": sum(b.size for b in active), "active_size": sum(b.size for b in active),
+        "requested_size": sum(b.requested for b in active), "stream": 0,
+        "segment_type": "small" if first.small else "large", "segment_pool_id": _POOL_ID,
+        "is_expandable": first.segment.expandable, "frames": [], "blocks": out_blocks,
+    }
+
+
+def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> Path:
+    """Write ``snapshot`` as ``_dump_snapshot`` does (a pickle, protocol :data:`PICKLE_PROTOCOL`), or as JSON
+    where ``path`` ends in ``.json`` (newer MemoryViz copies read both).
+
+    Raises:
+        ConfigError: The file cannot be written (the message names it).
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            import json
+
+            path.write_text(json.dumps(snapshot), encoding="utf-8")
+        else:
+            with open(path, "wb") as f:
+                pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL)
+    except OSError as e:
+        raise ConfigError(f"cannot write the snapshot to {str(path)!r}: {e.strerror}. "
+                          "HINT: pass a path in a folder that exists and is writable") from None
+    return path
