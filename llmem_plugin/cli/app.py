@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from llmem_plugin.cli.catalog import gpus_parser, models_parser
+from llmem_plugin.cli.compare import compare_parser
 from llmem_plugin.cli.config import check_config, with_config
 from llmem_plugin.cli.estimate import estimate_parser
 from llmem_plugin.cli.largest import max_parser
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     max_parser(sub)
     models_parser(sub)
     validate_parser(sub)
+    compare_parser(sub)
     gpus_parser(sub)
     for p in sub.choices.values():
         p.epilog = _EXIT_CODES

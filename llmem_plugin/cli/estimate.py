@@ -51,6 +51,13 @@ def estimate_parser(sub) -> None:
     add_cache_arg(g)
     g.add_argument("--plot", default=None, metavar="FILE",
                    help="draw allocated and reserved memory over the traced step to FILE (png, svg, pdf)")
+    g.add_argument("--snapshot", default=None, metavar="FILE",
+                   help="write the predicted allocator history to FILE in PyTorch's memory-snapshot format "
+                        "(pickle; .json for JSON): `python -m torch.cuda._memory_viz` and MemoryViz read it, "
+                        "`llmem compare` sets it against a real run's")
+    g.add_argument("--html", default=None, metavar="FILE",
+                   help="write a self-contained report (timeline by category, reserved vs allocated, the verdict) "
+                        "to FILE; needs the [report] extra")
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_host_arg(p)
     p.set_defaults(func=estimate_command)
@@ -106,6 +113,10 @@ def estimate_command(args: argparse.Namespace) -> int:
         if args.plot and args.method in (None, "all"):
             raise ConfigError("--plot draws the single-GPU step, or each rank of one --method. HINT: name one "
                               "--method, drop --gpus/--tp/--nodes/--offload, or use `llmem plan --plot`")
+        if args.snapshot or args.html:
+            raise ConfigError(f"{'--snapshot' if args.snapshot else '--html'} covers the single-GPU step so far; "
+                              "per-rank snapshots of the distributed methods are not written. HINT: drop "
+                              "--method/--gpus/--tp/--nodes/--offload, or use `llmem plan --html` for the ranks' bars")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _methods_command(args)
@@ -121,8 +132,11 @@ def estimate_command(args: argparse.Namespace) -> int:
                           "--seq-lens (the sample lengths), or drop --steps")
     if args.seq_lens is not None:
         return _varlen_command(args, gpu, wl)
+    keep = bool(args.snapshot or args.html)
     est = estimate(args.model, wl, fast=args.fast, full=args.full, gpu=gpu, alloc_conf=args.alloc_conf,
-                   torch_version=args.torch_version, host_memory=args.host_memory)
+                   torch_version=args.torch_version, host_memory=args.host_memory, keep_trace=keep)
+    if keep:
+        _write_views(est, args)
     if args.plot:
         from llmem_plugin.cli.plot import plot_estimate
 
@@ -153,8 +167,8 @@ def _varlen_command(args: argparse.Namespace, gpu, wl) -> int:
     from llmem_plugin.errors import ConfigError
     from llmem_plugin.techniques.varlen import estimate_variable_length
 
-    if args.plot:
-        raise ConfigError("--plot draws one fixed-shape step. HINT: drop --plot with --seq-lens")
+    if args.plot or args.snapshot or args.html:
+        raise ConfigError("--plot, --snapshot and --html show one fixed-shape step. HINT: drop them with --seq-lens")
     v = estimate_variable_length(args.model, wl, args.seq_lens, steps=args.steps, fast=args.fast, gpu=gpu,
                                  alloc_conf=args.alloc_conf, torch_version=args.torch_version)
     if args.json:
@@ -395,6 +409,21 @@ def _method_layouts(args: argparse.Namespace, names: list[str], layout):
         else:
             pairs.append((name, layout))
     return pairs
+
+
+def _write_views(est, args: argparse.Namespace) -> None:
+    """``--snapshot`` and ``--html``: the predicted snapshot, and the report made from it."""
+    from llmem_plugin.snapshot.predict import snapshot_of, write_snapshot
+
+    snap = snapshot_of(est)
+    if args.snapshot:
+        write_snapshot(snap, args.snapshot)
+        print(f"wrote the predicted snapshot to {args.snapshot}", file=sys.stderr)
+    if args.html:
+        from llmem_plugin.cli.html import estimate_page, write_page
+
+        write_page(estimate_page(est, snap), args.html)
+        print(f"wrote the report to {args.html}", file=sys.stderr)
 
 
 def _plot_ranks(est, gpu, path: str) -> None:

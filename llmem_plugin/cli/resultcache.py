@@ -25,7 +25,7 @@ A command whose answer depends on the machine it runs on is never kept:
 ``plan`` without ``--gpus`` or ``--gpu`` (it counts this machine's GPUs), ``--host-memory
 local``, a ``--model`` that is neither a catalog name, a ``litgpt:`` name nor
 an existing path (a Hub id read from the local Hub cache), and commands that
-write files (``--plot``). Only answers are kept (exit 0, or 3 for "does not
+write files (``--plot``, ``--snapshot``, ``--html``). Only answers are kept (exit 0, or 3 for "does not
 fit"); bad input (exit 2) is refused anew every time.
 
 A plan whose search for changes failed part-way is not kept
@@ -205,7 +205,8 @@ class _Tee(io.TextIOBase):
 def _machine_free(args) -> bool:
     """Whether the command's answer is independent of this machine (see the module docstring)."""
     host = getattr(args, "host_memory", None)
-    if getattr(args, "plot", None) or (isinstance(host, str) and host.strip().lower() == "local"):
+    if getattr(args, "plot", None) or getattr(args, "snapshot", None) or getattr(args, "html", None) \
+            or (isinstance(host, str) and host.strip().lower() == "local"):
         return False  # the same test as llmem_plugin.device.host.resolve_host_memory's
     if args.command == "plan" and getattr(args, "gpus", None) is None and getattr(args, "gpu", None) is None:
         return False  # this machine's GPUs (llmem_plugin/cli/plan.py, _plan_target)
