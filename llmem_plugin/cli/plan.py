@@ -82,6 +82,9 @@ def plan_parser(sub) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--all", action="store_true", help="list every candidate")
     g.add_argument("--plot", default=None, metavar="FILE", help="draw the candidates' memory to FILE (png, svg, pdf)")
+    g.add_argument("--html", default=None, metavar="FILE",
+                   help="write a self-contained report (the verdict, each candidate's memory per GPU, the sortable "
+                        "candidates table) to FILE; needs the [report] extra")
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=plan_command)
 
@@ -114,6 +117,11 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"llmem: {e}", file=sys.stderr)
     if args.plot:
         _plot_plan(result, args.plot, show_all=args.all)
+    if args.html:
+        from llmem_plugin.cli.html import plan_page, write_page
+
+        write_page(plan_page(result), args.html)
+        print(f"wrote the report to {args.html}", file=sys.stderr)
     if args.json:
         emit_json(args, result.to_dict())
     else:
