@@ -335,13 +335,14 @@ class Check:
 
 def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gpus: int = 1, num_nodes: int = 1,
           tp: int = 1, gpu: GPU, gpu_memory: int | None = None, margin: float = 0.05,
-          options: dict[str, Any] | None = None) -> Check:
+          options: dict[str, Any] | None = None, keep_trace: bool = False) -> Check:
     """Estimate ``live`` run with ``method`` and compare with ``gpu``.
 
     The live module is traced (a structure copy on the meta device), so
     adapters, custom heads and the model's own settings are what is
     estimated; ``workload.lora`` must be None when ``live`` already holds
-    its LoRA adapters.
+    its LoRA adapters. ``keep_trace``: a single-GPU estimate keeps its trace
+    (``Estimate.trace``), for the predicted snapshot.
     """
     from llmem_plugin.estimate import estimate
     from llmem_plugin.methods import estimate_method
@@ -354,7 +355,8 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
     target = dataclasses.replace(gpu, memory_bytes=capacity, driver_memory_bytes=None) if gpu_memory else gpu
     limit = int(capacity * (1 - margin))
     if method == "single" and num_gpus == 1:
-        est = estimate(live.module, workload, gpu=target, host_memory="local")  # the job runs on this machine
+        est = estimate(live.module, workload, gpu=target, host_memory="local",  # the job runs on this machine
+                       keep_trace=keep_trace)
         pred = Prediction.of(est, workload=workload, model=live.name, config=live.config_dict())
         host_fits = bool(est.host_fits)
         fits = bool(est.fits) and est.device_total_bytes <= limit and host_fits
@@ -367,6 +369,17 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
         fits = all(r.fits for r in est.ranks) and est.worst.device_total_bytes <= limit
     return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
                  report=report_text(est, gpu=target), host_fits=host_fits)
+
+
+def predicted_snapshot(check: Check | None) -> dict[str, Any] | None:
+    """The predicted snapshot of a single-GPU check made with ``keep_trace`` (None otherwise), its
+    history from the loaded weights on, as the adapters record the real one."""
+    est = check.estimate if check is not None else None
+    if getattr(est, "trace", None) is None:
+        return None
+    from llmem_plugin.snapshot.predict import snapshot_of
+
+    return snapshot_of(est, after_load=True)
 
 
 def _live_adapters(live: LiveModel, workload: Workload) -> Workload:

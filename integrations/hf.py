@@ -287,6 +287,12 @@ class LLMemCallback(TrainerCallback):
             ``auto_find_batch_size``'s out-of-memory trials.
         headroom: Memory kept free for ``find_batch_size`` (a fraction or a
             size; default :data:`llmem_plugin.planner.largest.DEFAULT_HEADROOM`).
+        snapshot_dir: Record the real allocator history of the first steps
+            (until the comparison) and write it there with the predicted
+            snapshot and their comparison; on a CUDA out-of-memory error in
+            a training step, write them and print the predicted breakdown,
+            then let the error through (:mod:`llmem_plugin.integrations._snapshots`).
+            Off by default: recording slows every allocation.
 
     The comparison waits for the first steady-state step (step 2,
     :data:`~llmem_plugin.integrations._common.FIRST_STEADY_STEP`): the
@@ -305,7 +311,7 @@ class LLMemCallback(TrainerCallback):
                  seq_len: int | None = None, gpu: Any = None, gpu_memory: int | str | None = None, *,
                  tolerance_pct: float = DEFAULT_TOLERANCE_PCT, record_file: str | bool | None = None,
                  strict: bool = False, find_batch_size: bool = False,
-                 headroom: float | int | str | None = None) -> None:
+                 headroom: float | int | str | None = None, snapshot_dir: str | os.PathLike | None = None) -> None:
         if on_wont_fit not in ("abort", "warn"):
             raise ConfigError(f"on_wont_fit must be 'abort' or 'warn', got {on_wont_fit!r}")
         if not 0 <= margin < 1:
@@ -326,6 +332,8 @@ class LLMemCallback(TrainerCallback):
         self.headroom = DEFAULT_HEADROOM if headroom is None else headroom
         headroom_bytes(self.headroom, 2**50)  # a bad spelling stops here
         self.find_batch_size = find_batch_size
+        self.snapshot_dir = snapshot_dir
+        self.recorder: Any = None
         self.batch_size_result = None
         self.strict = strict
         self.on_wont_fit = on_wont_fit
@@ -400,6 +408,8 @@ class LLMemCallback(TrainerCallback):
         self._args, self._optimizer, self._steps = args, optimizer, 0
         self.check, self.comparison = None, None
         self._trainer = _find_trainer()
+        if self.snapshot_dir is not None:
+            self._record_snapshots(args)
         try:
             target, memory = _common.resolve_target(self.gpu, self.gpu_memory)
             live = _common.live_model(model)
@@ -411,9 +421,35 @@ class LLMemCallback(TrainerCallback):
             lambda mod, a, kw: self._first_forward(live, target, memory, a, kw), with_kwargs=True)
         return control
 
+    def _record_snapshots(self, args) -> None:
+        """``snapshot_dir``: a recorder for the first steps, and out-of-memory errors of a training step
+        caught on their way out (written down, then raised on unchanged)."""
+        from llmem_plugin.integrations._snapshots import SnapshotRecorder
+
+        self.recorder = SnapshotRecorder(self.snapshot_dir, rank=int(getattr(args, "process_index", 0)),
+                                         predicted=lambda: _common.predicted_snapshot(self.check))
+        trainer = self._trainer
+        if trainer is None or getattr(trainer.training_step, "_llmem_wrapped", False):
+            return
+        step, recorder = trainer.training_step, self.recorder
+
+        def training_step(*a, **kw):
+            try:
+                return step(*a, **kw)
+            except torch.OutOfMemoryError as e:
+                est = self.check.estimate if self.check is not None else None
+                recorder.breakdown = {c.value: v for c, v in getattr(est, "breakdown", {}).items()}
+                recorder.on_oom(e)
+                raise
+
+        training_step._llmem_wrapped = True
+        trainer.training_step = training_step
+
     def _first_forward(self, live, target, memory, args_in, kwargs_in) -> None:
         self._hook.remove()
         self._hook = None
+        if self.recorder is not None:
+            self.recorder.start()
         dims = _common.batch_dims(kwargs_in) or _common.batch_dims(args_in)
         if dims is None and self.seq_len is None:
             self._not_checked(ConfigError("the first batch has no input_ids to read the sequence length from. "
@@ -430,7 +466,8 @@ class LLMemCallback(TrainerCallback):
             with _real_process_group_set_aside(), _hf_zero3_init_off():
                 self.check = _common.check(source, wl, method=job.method, num_gpus=job.num_gpus,
                                            num_nodes=job.num_nodes, gpu=target, gpu_memory=memory,
-                                           margin=self.margin, options=job.options)
+                                           margin=self.margin, options=job.options,
+                                           keep_trace=self.snapshot_dir is not None)
         except (UnsupportedError, ConfigError) as e:
             self._not_checked(e)
             return
@@ -478,6 +515,9 @@ class LLMemCallback(TrainerCallback):
 
     # ------------------------------------------------------------ during training
     def on_step_end(self, args, state, control, **kwargs):
+        if self.recorder is not None and self.recorder.recording and \
+                state.global_step >= _common.compare_step(self.compare_after_steps or 1):
+            self.recorder.finish()
         if self._meter is None or not self._meter.running:
             return control
         self._steps += 1
@@ -490,6 +530,8 @@ class LLMemCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.recorder is not None and self.recorder.recording:
+            self.recorder.finish()  # fewer steps than the comparison waits for
         if self._meter is not None and self._meter.running:
             if self._steps >= _common.FIRST_STEADY_STEP:
                 self._compare(state)  # fewer steps than asked: compare what ran

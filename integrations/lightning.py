@@ -235,6 +235,8 @@ class _Decision:
     candidate: Any = None
     prediction: Any = None
     notes: list[str] = field(default_factory=list)
+    snapshot: dict[str, Any] | None = None  # the predicted snapshot (snapshot_dir, one device)
+    breakdown: dict[str, int] = field(default_factory=dict)  # predicted bytes per category at the peak
 
 
 def _optimizer_kind(optimizer: Any) -> str | None:
@@ -314,7 +316,8 @@ class _AutoStrategyMixin:
 
     def __init__(self, *, margin: float | None = None, seq_len: int | None = None, gpu: Any = None,
                  gpu_memory: int | str | None = None, on_wont_fit: str = "abort", compare_after_steps: int = 3,
-                 tolerance_pct: float | None = None, strict: bool | None = None, **ddp_kwargs: Any) -> None:
+                 tolerance_pct: float | None = None, strict: bool | None = None,
+                 snapshot_dir: str | os.PathLike | None = None, **ddp_kwargs: Any) -> None:
         from llmem_plugin.integrations import _common
         from llmem_plugin.verify.meter import DEFAULT_TOLERANCE_PCT
 
@@ -351,6 +354,7 @@ class _AutoStrategyMixin:
         self.compare_after_steps = compare_after_steps
         self.tolerance_pct = DEFAULT_TOLERANCE_PCT if tolerance_pct is None else tolerance_pct
         self.decision: _Decision | None = None
+        self.snapshot_dir = snapshot_dir
         self._user_ddp_kwargs = dict(ddp_kwargs)
 
     def _configure_launcher(self) -> None:
@@ -398,6 +402,9 @@ class _AutoStrategyMixin:
         if decision.prediction is not None and self.compare_after_steps > 0:
             trainer.callbacks.append(_meter_callback(self._package)(decision, self.compare_after_steps,
                                                                     self.tolerance_pct))
+        if self.snapshot_dir is not None:
+            trainer.callbacks.append(_snapshot_callback(self._package)(decision, self.snapshot_dir,
+                                                                       self.compare_after_steps, self.global_rank))
         real.setup_environment()
 
     def _swap(self, trainer: Any, real: Any) -> None:
@@ -451,8 +458,11 @@ class _AutoStrategyMixin:
             method = closest[0].method if closest else default
             warnings.warn(f"llmem-auto: {e}; training anyway with {method} (on_wont_fit='warn')\n{report}",
                           stacklevel=2)
-            return _Decision(method, tp=closest[0].tp if closest else 1, run_id=run_id, plan=e.plan,
-                             candidate=closest[0] if closest else None, report=report)
+            decision = _Decision(method, tp=closest[0].tp if closest else 1, run_id=run_id, plan=e.plan,
+                                 candidate=closest[0] if closest else None, report=report)
+            if self.snapshot_dir is not None and world == 1 and method == "single":
+                self._predict_snapshot(decision, inputs)  # what the prediction says it will run out on
+            return decision
         except Exception as e:  # noqa: BLE001 - an estimator limitation never stops training
             return not_checked(e)
         decision.run_id = run_id
@@ -460,6 +470,18 @@ class _AutoStrategyMixin:
         log.info("%s\n%s", text, decision.report)
         rank_zero_info(f"{text}\n{decision.report}")
         return decision
+
+    def _predict_snapshot(self, decision: _Decision, inputs: dict[str, Any]) -> None:
+        """The single-GPU predicted snapshot and breakdown onto ``decision``; a failure only warns."""
+        from llmem_plugin.integrations import _common
+
+        try:
+            checked = _common.check(inputs["live"], inputs["workload"], gpu=inputs["gpu"], gpu_memory=inputs["memory"],
+                                    margin=self.margin, keep_trace=True)
+            decision.snapshot = _common.predicted_snapshot(checked)
+            decision.breakdown = {c.value: v for c, v in checked.estimate.breakdown.items()}
+        except Exception as e:  # noqa: BLE001 - the snapshot is extra; the job goes on
+            warnings.warn(f"llmem-auto: no predicted snapshot ({type(e).__name__}: {e})", stacklevel=3)
 
     def _inputs(self, trainer: Any, world: int) -> dict[str, Any]:
         """GPU, live model, workload and methods; LLMemError where the estimate cannot run."""
@@ -517,13 +539,17 @@ class _AutoStrategyMixin:
                                   micro_batch=wl.micro_batch_size, grad_checkpointing=wl.grad_checkpointing)
             method, tp = plan.choice.method, plan.choice.tp
         name, options = _CHECK_AS.get(method, (method, None))
+        keep = self.snapshot_dir is not None and name == "single" and world == 1
         checked = _common.check(live, wl, method=name, num_gpus=world, num_nodes=num_nodes, tp=tp, gpu=gpu,
-                                gpu_memory=memory, margin=self.margin, options=options)
+                                gpu_memory=memory, margin=self.margin, options=options, keep_trace=keep)
         if plan is None and not checked.fits:
             raise WontFitError(checked.message(), plan=None)
         why = plan.why if plan is not None else "the model has no transformers config, so only it was estimated"
         report = _report(plan) if plan is not None else checked.report
+        breakdown = getattr(getattr(checked.estimate, "worst", checked.estimate), "breakdown", {})
         return _Decision(method, tp=tp, plan=plan, candidate=plan.choice if plan else None, prediction=checked.prediction, report=report,
+                         snapshot=_common.predicted_snapshot(checked) if keep else None,
+                         breakdown={getattr(k, "value", k): v for k, v in breakdown.items()},
                          message=f"{why}; {checked.message()}" + "".join(f"; {n}" for n in inputs["notes"]),
                          notes=inputs["notes"])
 
@@ -626,6 +652,38 @@ class _MeterMixin:
                           + ", ".join(f"{k} {v:+.1f}%" for k, v in outside.items()), stacklevel=2)
 
 
+class _SnapshotMixin:
+    """``snapshot_dir``: the real history from the first batch to the compared step, the predicted snapshot
+    and their comparison; on an out-of-memory error, the same, written before Lightning raises it on."""
+
+    def __init__(self, decision: _Decision, folder: Any, steps: int, rank: int) -> None:
+        from llmem_plugin.integrations._snapshots import SnapshotRecorder
+
+        self.steps = steps
+        self.recorder = SnapshotRecorder(folder, rank=rank, predicted=lambda: decision.snapshot,
+                                         breakdown=decision.breakdown)
+        self._started = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self._started:
+            self._started = True
+            self.recorder.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.recorder.recording and trainer.global_step >= _first_steady(self.steps or 1):
+            self.recorder.finish()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.recorder.recording:
+            self.recorder.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        import torch
+
+        if isinstance(exception, torch.OutOfMemoryError):
+            self.recorder.on_oom(exception)  # Lightning raises it on after its callbacks' on_exception
+
+
 # ----------------------------------------------------------------------------- classes per package
 
 _CLASSES: dict[tuple[str, str], type] = {}
@@ -648,6 +706,14 @@ def _meter_callback(package: str) -> type:
     if key not in _CLASSES:
         pl = importlib.import_module(package)
         _CLASSES[key] = type("LLMemVerify", (_MeterMixin, pl.Callback), {"__module__": __name__})
+    return _CLASSES[key]
+
+
+def _snapshot_callback(package: str) -> type:
+    key = (package, "snapshots")
+    if key not in _CLASSES:
+        pl = importlib.import_module(package)
+        _CLASSES[key] = type("LLMemSnapshots", (_SnapshotMixin, pl.Callback), {"__module__": __name__})
     return _CLASSES[key]
 
 
@@ -812,6 +878,12 @@ Args:
         peaks are compared and logged (0: off); not before step 2, the first
         steady-state step, which the estimate predicts.
     tolerance_pct: Warn when the error exceeds it (default: the README target).
+    snapshot_dir: Record the real allocator history of the first steps (until
+        the comparison, at least step 2) and write it there with the predicted
+        snapshot (one device) and their comparison; on a CUDA out-of-memory
+        error, write them and print the predicted breakdown, and Lightning
+        raises the error on (:mod:`llmem_plugin.integrations._snapshots`). Off
+        by default: recording slows every allocation.
     strict: Stop the job when it cannot be checked (no GPU to estimate for, an
         unmodelled setting, a failed estimate); default ``$LLMEM_STRICT`` or
         False: warn once and train with DDP (one device: single).

@@ -37,6 +37,10 @@ pin() { local v; v="$(version_of "$1")"; if [ -n "$v" ]; then echo "$1==$v"; els
 "${PIP[@]}" "$(pin transformers)"
 "${PIP[@]}" --no-deps "$(pin peft)" "$(pin accelerate)" "$(pin safetensors)"
 "${PIP[@]}" --no-deps -e .
+# Lightning for the llmem-auto strategy's snapshots on the stub (tests/stub/test_snapshot.py); it and
+# torchmetrics depend on torch, so --no-deps, with their pure-Python imports.
+"${PIP[@]}" --no-deps "$(pin lightning)" "$(pin lightning-utilities)" "$(pin torchmetrics)"
+"${PIP[@]}" packaging tqdm
 
 # bitsandbytes' CUDA build before the stand-ins are built: build.py adds its library's imports to
 # theirs, so that it loads here (its kernels launch into the stub and compute nothing, as torch's do).

@@ -221,9 +221,9 @@ def _label(a: Allocation | None) -> str:
     if a.category is not None and a.frames:
         op, where = a.frames[0]["name"], a.frames[0]["filename"]
         return f"{a.category}: {op} in {where}"
-    for f in a.frames:
+    for f in a.frames:  # the innermost Python frame outside torch (stacks="all" interleaves C++ frames)
         name = f.get("filename", "")
-        if name and "torch/" not in name and not name.startswith("??") and "c10/" not in name:
+        if name.endswith(".py") and "/torch/" not in name:
             return f"{name}:{f.get('line', 0)} {f.get('name', '')}"
     return f"{_size(a.size)} allocation (no stack recorded)"
 
@@ -245,17 +245,37 @@ def _size(n: int) -> str:
 
 def _meaning(hp: History, hr: History, pred_only: list[Allocation], real_only: list[Allocation],
              workload: dict[str, Any], limit: int) -> str:
-    """One line: what the difference at the peaks means."""
+    """One line: what the difference at the peaks means (after what ran out of memory, if either did)."""
+    oom = _oom_line(hp, hr)
+    body = _difference_line(hp, hr, pred_only, real_only, workload, limit)
+    return f"{oom}; {body}" if oom else body
+
+
+def _oom_line(hp: History, hr: History) -> str:
+    def at(h: History) -> str:
+        return f"asking for {_size(h.oom_bytes)} with {_size(h.allocated[h.oom_entry])} allocated"
+
+    if hp.oom_entry >= 0 and hr.oom_entry >= 0:
+        return f"both run out of memory: the prediction {at(hp)}, the real run {at(hr)}"
+    if hr.oom_entry >= 0:
+        return f"the real run ran out of memory {at(hr)}, where the prediction fits (peak {_size(hp.peak_allocated_bytes)})"
+    if hp.oom_entry >= 0:
+        return f"the prediction runs out of memory {at(hp)}; the real run did not"
+    return ""
+
+
+def _difference_line(hp: History, hr: History, pred_only: list[Allocation], real_only: list[Allocation],
+                     workload: dict[str, Any], limit: int) -> str:
     diff = hr.peak_allocated_bytes - hp.peak_allocated_bytes
+    agree = (f"the peaks agree within {_size(limit)}: {_size(hp.peak_allocated_bytes)} predicted, "
+             f"{_size(hr.peak_allocated_bytes)} real; ")
     if abs(diff) <= limit and not pred_only and not real_only:
-        return (f"the histories agree: peaks {_size(hp.peak_allocated_bytes)} predicted and "
-                f"{_size(hr.peak_allocated_bytes)} real, and the same allocations live at each")
-    upcast = _upcast_line(pred_only, real_only, workload)
-    if upcast:
-        return upcast
-    scaled = _scaled_line(pred_only, real_only, workload)
-    if scaled:
-        return scaled
+        return agree + "the same allocations live at each"
+    line = _upcast_line(pred_only, real_only, workload) or _scaled_line(hp, pred_only, real_only, workload)
+    if line:
+        return line
+    if abs(diff) <= limit:
+        return agree + f"{len(pred_only)} predicted and {len(real_only)} real allocations live at one peak only"
     side, allocs = ("real run", real_only) if diff > 0 else ("prediction", pred_only)
     top = _groups(allocs)[:1]
     what = f": mostly {top[0].count} x {_size(top[0].nbytes // max(top[0].count, 1))} ({top[0].label})" if top else ""
@@ -287,16 +307,26 @@ def _upcast_line(pred_only: list[Allocation], real_only: list[Allocation], workl
     return ""
 
 
-def _scaled_line(pred_only: list[Allocation], real_only: list[Allocation], workload: dict[str, Any]) -> str:
-    """The same allocations on both sides, scaled by one factor: the batch or the sequence length differs."""
+def _scaled_line(hp: History, pred_only: list[Allocation], real_only: list[Allocation],
+                 workload: dict[str, Any]) -> str:
+    """The same allocations on both sides, scaled by one factor: the batch or the sequence length differs.
+    A batch or a length changes every activation: the scaled ones must be most of the predicted peak's
+    activations and temporaries, not a few tensors of one op that happen to have such a ratio."""
     if not pred_only or not real_only:
         return ""
     ratio = max(a.size for a in real_only) / max(a.size for a in pred_only)
     if abs(ratio - 1.0) < 0.05:
         return ""
-    sizes_p = Counter(a.size for a in pred_only)
-    covered = sum(a.size for a in real_only if sizes_p.get(round(a.size / ratio)))
-    if covered < 0.5 * sum(a.size for a in real_only):
+    sizes_p, sizes_r = Counter(a.size for a in pred_only), Counter(a.size for a in real_only)
+    covered_r = [a for a in real_only if sizes_p.get(round(a.size / ratio))]
+    covered_p = [a for a in pred_only if sizes_r.get(round(a.size * ratio))]
+    # One factor has to explain most of both sides, over several allocations: one odd tensor is no scaling.
+    if len(covered_r) < 3 or sum(a.size for a in covered_r) < 0.5 * sum(a.size for a in real_only) \
+            or sum(a.size for a in covered_p) < 0.5 * sum(a.size for a in pred_only):
+        return ""
+    # A third, not all: some scaled tensors land on sizes the other side also holds and cancel out.
+    acts = sum(a.size for a in hp.live_at(hp.peak_entry) if a.category in ("activations", "temporaries"))
+    if sum(a.size for a in covered_p) < acts / 3:
         return ""
     seq, batch = workload.get("seq_len"), workload.get("micro_batch_size")
     shape = f" (predicted: batch {batch} x {seq} tokens)" if seq and batch else ""

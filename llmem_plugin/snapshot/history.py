@@ -54,6 +54,12 @@ class History:
     reserved: list[int] = field(repr=False)
     allocated_before: int
     reserved_before: int
+    oom_entry: int = -1  # the entry of the first out-of-memory error (-1: none)
+
+    @property
+    def oom_bytes(self) -> int:
+        """What the failing request asked for (0 without an out-of-memory error)."""
+        return self.entries[self.oom_entry]["size"] if self.oom_entry >= 0 else 0
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -150,5 +156,6 @@ def read_history(snapshot: dict[str, Any], device: int = 0) -> History:
         cur_r += dr
         allocated.append(cur_a)
         reserved.append(cur_r)
+    oom = next((n for n, e in enumerate(entries) if e["action"] == "oom"), -1)
     return History(entries=entries, allocations=allocs, allocated=allocated, reserved=reserved,
-                   allocated_before=allocated_before, reserved_before=reserved_before)
+                   allocated_before=allocated_before, reserved_before=reserved_before, oom_entry=oom)

@@ -119,8 +119,9 @@ def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[i
                 try:
                     handles[key] = alloc.malloc(requested[i])
                 except SimulatedOOM:
-                    if alloc.history is not None:
-                        owner.extend([i] * (len(alloc.history) - before))
+                    if alloc.history is None:  # out of memory before the history starts: it holds the oom alone
+                        alloc.history, before = [("oom", 0, requested[i])], 0
+                    owner.extend([i] * (len(alloc.history) - before))
                     break
         else:
             h = handles.pop(key, None)
