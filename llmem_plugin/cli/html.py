@@ -207,11 +207,13 @@ def plan_page(result: Any) -> str:
         chosen = c is result.choice
         why = "chosen" if chosen else ("fits (slower)" if c.fits and c.host_fits else "host RAM" if c.fits else
                                        f"over the limit by {-c.headroom_bytes / _GIB:.2f} GiB")
-        cells = [(c.label(), None), (c.method_label, None), (str(c.micro_batch), c.micro_batch),
-                 ("on" if c.grad_checkpointing else "off", None),
-                 (f"{c.device_total_bytes / _GIB:.2f}", c.device_total_bytes),
-                 (f"{c.step_time_s:.3f}", c.step_time_s), (f"{c.tokens_per_s:,.0f}", c.tokens_per_s), (why, None)]
-        tds = "".join(f"<td{'' if v is None else f' data-v={v!r}'}>{html.escape(t)}</td>" for t, v in cells)
+        cells = [(c.label(), None, "label"), (c.method_label, None, "method"),
+                 (str(c.micro_batch), c.micro_batch, "mb"), ("on" if c.grad_checkpointing else "off", None, "ckpt"),
+                 (f"{c.device_total_bytes / _GIB:.2f}", c.device_total_bytes, "mem"),
+                 (f"{c.step_time_s:.3f}", c.step_time_s, "time"), (f"{c.tokens_per_s:,.0f}", c.tokens_per_s, "tps"),
+                 (why, None, "why")]
+        tds = "".join(f"<td class='{k}'{'' if v is None else f' data-v={v!r}'}>{html.escape(t)}</td>"
+                      for t, v, k in cells)
         rows.append(f"<tr class='{'chosen' if chosen else ''}'>{tds}</tr>")
     skipped = "".join(f"<li>{html.escape(m)}: {html.escape(r)}</li>" for m, r in result.skipped)
     fits = result.choice is not None
