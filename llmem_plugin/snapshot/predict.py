@@ -65,12 +65,13 @@ class _Frames:
 
     def __init__(self, trace: TraceResult) -> None:
         self.records = trace.records
-        self._cache: dict[tuple[int, str], tuple[list[dict], str]] = {}
+        self._cache: dict[Any, tuple[list[dict], str]] = {}  # by key (a record's frames name its own phase)
 
     def of(self, key: int, phase: str) -> tuple[list[dict], str]:
-        got = self._cache.get((key, phase))
+        cache_key = key if key >= 0 and self.records is not None and key < len(self.records) else (key, phase)
+        got = self._cache.get(cache_key)
         if got is None:
-            got = self._cache[(key, phase)] = self._make(key, phase)
+            got = self._cache[cache_key] = self._make(key, phase)
         return got
 
     def _make(self, key: int, phase: str) -> tuple[list[dict], str]:
@@ -164,13 +165,17 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
                                                  device_memory_bytes=device_memory_bytes, start=begin)
     frames = _Frames(trace)
     entries = []
+    of, tensor_actions = frames.of, ("alloc", "free_requested", "free_completed", "oom")
     for n, ((action, addr, size), i) in enumerate(zip(history, owner, strict=True)):
-        entry: dict[str, Any] = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n,
-                                 "compile_context": "N/A", "user_metadata": "", "pool_id": _POOL_ID}
-        if action in ("alloc", "free_requested", "free_completed", "oom"):
-            entry["frames"], entry["category"] = frames.of(events[i][1], phases[i])
+        # torch's entries also carry compile_context and user_metadata (torch.compile's and the user's
+        # annotations); none is made here, and readers treat them as optional.
+        if action in tensor_actions:
+            fr, category = of(events[i][1], phases[i])
+            entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
+                     "frames": fr, "category": category}
         else:
-            entry["frames"] = []
+            entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
+                     "frames": []}
         if action == "oom":  # TraceEntry::OOM keeps the device's free bytes where others keep the address
             free = (capacity_bytes - alloc.stats.reserved) if capacity_bytes is not None else 0
             entry["addr"] = entry["device_free"] = free
