@@ -223,7 +223,7 @@ def plan_page(result: Any) -> str:
     rows = []
     for c in cands:
         chosen = c is result.choice
-        why = "chosen" if chosen else ("fits (slower)" if c.fits and c.host_fits else "host RAM" if c.fits else
+        why = "chosen" if chosen else ("fits, not chosen" if c.fits and c.host_fits else "host RAM" if c.fits else
                                        f"over the limit by {-c.headroom_bytes / _GIB:.2f} GiB")
         cells = [(c.label(), None, "label"), (c.method_label, None, "method"),
                  (str(c.micro_batch), c.micro_batch, "mb"), ("on" if c.grad_checkpointing else "off", None, "ckpt"),
