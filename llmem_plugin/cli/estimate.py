@@ -113,10 +113,11 @@ def estimate_command(args: argparse.Namespace) -> int:
         if args.plot and args.method in (None, "all"):
             raise ConfigError("--plot draws the single-GPU step, or each rank of one --method. HINT: name one "
                               "--method, drop --gpus/--tp/--nodes/--offload, or use `llmem plan --plot`")
-        if args.snapshot or args.html:
-            raise ConfigError(f"{'--snapshot' if args.snapshot else '--html'} covers the single-GPU step so far; "
-                              "per-rank snapshots of the distributed methods are not written. HINT: drop "
-                              "--method/--gpus/--tp/--nodes/--offload, or use `llmem plan --html` for the ranks' bars")
+        if args.html:
+            raise ConfigError("--html draws the single-GPU step. HINT: use `llmem plan --html` for the methods' "
+                              "ranks, or drop --method/--gpus/--tp/--nodes/--offload")
+        if args.snapshot and args.method in (None, "all"):
+            raise ConfigError("--snapshot writes one method's ranks. HINT: name one --method (ddp, zero3, ...)")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _methods_command(args)
@@ -256,6 +257,8 @@ def _methods_command(args: argparse.Namespace) -> int:
     rows, skipped = _estimate_methods(args, _method_layouts(args, names, layout), wl, gpu, options, pipeline)
     if getattr(args, "plot", None) and rows:
         _plot_ranks(rows[0], gpu, args.plot)
+    if getattr(args, "snapshot", None) and rows:
+        _write_rank_snapshots(args, layout, wl, gpu, options)
     if not rows:
         # On several GPUs, 'single' refuses for the GPU count alone: another method's reason says more.
         name, why = next((x for x in skipped if x[0] != "single" or num_gpus == 1), skipped[0])
@@ -424,6 +427,21 @@ def _write_views(est, args: argparse.Namespace) -> None:
 
         write_page(estimate_page(est, snap), args.html)
         print(f"wrote the report to {args.html}", file=sys.stderr)
+
+
+def _write_rank_snapshots(args: argparse.Namespace, layout, wl, gpu, options: dict) -> None:
+    """``--snapshot FILE`` with one ``--method``: ``FILE`` with ``-rank{R}`` before its suffix, per traced rank
+    (the method's full trace, run again for its allocator history)."""
+    from pathlib import Path
+
+    from llmem_plugin.snapshot.predict import method_snapshots, write_snapshot
+
+    path = Path(args.snapshot)
+    snaps = method_snapshots(args.method, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,
+                             torch_version=args.torch_version, **options)
+    for rank, snap in sorted(snaps.items()):
+        out = write_snapshot(snap, path.with_name(f"{path.stem}-rank{rank}{path.suffix}"))
+        print(f"wrote rank {rank}'s predicted snapshot to {out}", file=sys.stderr)
 
 
 def _plot_ranks(est, gpu, path: str) -> None:

@@ -38,7 +38,8 @@ from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.estimate import Estimate, allocator_events
 from llmem_plugin.trace.tracker import Phase, TraceResult
 
-__all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "predicted_snapshot", "replay_history", "snapshot_of", "write_snapshot"]
+__all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "method_snapshots", "predicted_snapshot", "replay_history", "snapshot_of",
+           "write_snapshot"]
 
 # MemoryViz.js reads pickles with its own decoder, which knows protocols 2 to 4
 # (torch/utils/viz/MemoryViz.js, the `unpickle` function); torch's own
@@ -219,13 +220,52 @@ def snapshot_of(est: Estimate, *, after_load: bool = False) -> dict[str, Any]:
             "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
             "device_total_bytes": est.device_total_bytes, "capacity_bytes": est.capacity_bytes, "fits": est.fits,
             "outside_allocator_bytes": est.overheads.outside_allocator_bytes}
-    snap = predicted_snapshot(est.trace, est.alloc_config, est.overheads, start=start, metadata=meta)
-    outside = est.overheads.outside_allocator_bytes
-    if sum(s["total_size"] for s in snap["segments"]) + outside > est.capacity_bytes or \
-            _peak_reserved(snap) + outside > est.capacity_bytes:
-        snap = predicted_snapshot(est.trace, est.alloc_config, est.overheads, start=start, metadata=meta,
-                                  capacity_bytes=max(est.capacity_bytes - outside, 0))
+    return _verdict_snapshot(est.trace, est.alloc_config, est.overheads, est.capacity_bytes, start=start,
+                             metadata=meta)
+
+
+def _verdict_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, capacity: int, *,
+                      start: int | None, metadata: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot of the replay the verdict comes from: uncapped where it fits so, else capped at what
+    the device leaves the allocator (``llmem_plugin.estimate.simulate_trace``'s rule)."""
+    snap = predicted_snapshot(trace, config, overheads, start=start, metadata=metadata)
+    outside = overheads.outside_allocator_bytes
+    if _peak_reserved(snap) + outside > capacity:
+        snap = predicted_snapshot(trace, config, overheads, start=start, metadata=metadata,
+                                  capacity_bytes=max(capacity - outside, 0))
     return snap
+
+
+def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu: Any,
+                     **options: Any) -> dict[int, dict[str, Any]]:
+    """The predicted snapshot of every rank a distributed method's estimate traces (its full trace, run
+    again here), by rank; ranks the method reports as alike to a traced one have none of their own.
+
+    Raises:
+        UnsupportedError: The method allocates on side streams (FSDP2's all-gather and reduce-scatter,
+            LowLevelZero's communication stream): one device trace per stream is not written yet.
+        ConfigError, UnsupportedError: As :func:`llmem_plugin.methods.estimate_method`.
+    """
+    from llmem_plugin.device.gpus import get_gpu
+    from llmem_plugin.methods import estimate_method
+    from llmem_plugin.methods.base import capture
+
+    with capture() as cap:
+        estimate_method(method, model, workload, layout=layout, gpu=gpu, **options)
+    out = {}
+    for trace, kw in cap.ranks:
+        if kw["streams"]:
+            raise UnsupportedError(f"--snapshot with --method {method}: its ranks allocate on side streams, and "
+                                   "a snapshot per stream is not written yet. HINT: use ddp, zero1/2/3 or tp, or "
+                                   "drop --snapshot")
+        target = kw["gpu"] if not isinstance(kw["gpu"], str) else get_gpu(kw["gpu"])
+        meta = {"method": method, "rank": kw["rank"], "num_gpus": layout.num_gpus, "gpu": target.name,
+                "workload": workload.to_dict() if hasattr(workload, "to_dict") else dict(workload),
+                "capacity_bytes": target.capacity_bytes,
+                "outside_allocator_bytes": kw["overheads"].outside_allocator_bytes}
+        out[kw["rank"]] = _verdict_snapshot(trace, kw["alloc_conf"] or AllocatorConfig(), kw["overheads"],
+                                            target.capacity_bytes, start=None, metadata=meta)
+    return out
 
 
 def _peak_reserved(snap: dict[str, Any]) -> int:

@@ -120,3 +120,29 @@ def test_an_estimate_without_its_trace_is_refused_in_one_line(est):
 
     with pytest.raises(UnsupportedError, match="keep_trace=True"):
         snapshot_of(dataclasses.replace(est, trace=None))
+
+
+def test_a_ddp_ranks_snapshot_has_the_ranks_peaks():
+    from llmem_plugin.methods import Layout, estimate_method
+    from llmem_plugin.snapshot.predict import method_snapshots
+    from llmem_plugin.workload import Workload
+
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
+    snaps = method_snapshots("ddp", TINY, wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
+    (rank,) = estimate_method("ddp", TINY, wl, layout=Layout(num_gpus=2), gpu="h100-sxm").ranks
+    h = read_history(snaps[rank.rank])
+    assert (h.peak_allocated_bytes, h.peak_reserved_bytes) == (rank.peak_allocated_bytes, rank.peak_reserved_bytes)
+    cats = {e.get("category") for e in snaps[rank.rank]["device_traces"][0]}
+    assert "comm_buffers" in cats  # DDP's gradient buckets, named as such
+    assert snaps[rank.rank]["llmem"]["method"] == "ddp"
+
+
+def test_a_method_on_side_streams_is_refused_in_one_line():
+    from llmem_plugin.errors import UnsupportedError
+    from llmem_plugin.methods import Layout
+    from llmem_plugin.snapshot.predict import method_snapshots
+    from llmem_plugin.workload import Workload
+
+    with pytest.raises(UnsupportedError, match="side streams"):
+        method_snapshots("fsdp", TINY, Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed"),
+                         layout=Layout(num_gpus=2), gpu="h100-sxm")

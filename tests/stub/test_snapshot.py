@@ -156,3 +156,29 @@ def test_the_hf_adapter_writes_the_first_steps_beside_the_prediction(stub, tmp_p
     real = read_history(load_snapshot(folder / "real-rank0.pickle"))
     assert result["real_peak_allocated_bytes"] == real.peak_allocated_bytes > 0
     assert "predicted vs real" in (folder / "compare-rank0.txt").read_text()
+
+
+def test_a_ddp_ranks_predicted_snapshot_has_the_stub_ranks_peaks(stub):
+    """Rank 0 of DDP on 2 GPUs (torch's fake process group, the real Reducer on the stub), as
+    tests/stub/test_distributed.py runs it: the predicted rank snapshot's history peaks are the stub's."""
+    import torch
+
+    from benchmarks.groundtruth.matrix import case_config
+    from benchmarks.groundtruth.stub_distributed import StubConfig, measure
+    from llmem_plugin.methods import Layout
+    from llmem_plugin.snapshot.predict import method_snapshots
+    from llmem_plugin.workload import Workload
+
+    config = StubConfig(id="ddp", method="ddp", worker="ddp", world=2, ranks=(0,))
+    got = measure(config, 0, timeout_s=180)
+    assert "error" not in got, got.get("error")
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)  # off on the stub (its cuDNN computes nothing), as predict() does
+    try:
+        snaps = method_snapshots("ddp", case_config(config.model, config.overrides), Workload(**config.workload),
+                                 layout=Layout(num_gpus=2), gpu="h100-sxm", **config.estimator_options)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    h = read_history(snaps[0])
+    assert h.peak_allocated_bytes == max(s["allocated_bytes"] for s in got["steps"])
+    assert h.peak_reserved_bytes == max(s["reserved_bytes"] for s in got["steps"])
