@@ -24,7 +24,7 @@ DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- stages: begin (docs/stages.py) -->", "<!-- stages: end -->"
 
 # The stages in the order a workload flows through them; the picture lists them in this order.
-FLOW = ("workload", "models", "techniques", "trace", "device", "summary", "estimate", "snapshot", "methods", "planner",
+FLOW = ("workload", "models", "techniques", "trace", "device", "summary", "estimate", "methods", "snapshot", "planner",
         "recipes", "verify", "cli", "integrations")
 
 

@@ -38,9 +38,10 @@ __all__ = ["MAX_ENTRIES", "SnapshotRecorder"]
 
 log = logging.getLogger("llmem_plugin")
 
-# Entries the real history keeps (a ring buffer: the oldest go first). torch's
-# default is 9,223,372,036,854,775,807 (no limit); a 70B step makes about
-# 10^6 entries, a few hundred MB of stacks.
+# Entries the real history keeps (a ring buffer: the oldest go first; torch's own default keeps all).
+# An 8B LoRA step makes about 18,500 (the predicted history of 2 steps holds 37,038:
+# benchmarks/results/snapshot-cost-2026-12-07.md): 2,000,000 keeps dozens of such steps, and a few
+# of a model ten times as large, with bounded memory for the stacks.
 MAX_ENTRIES = 2_000_000
 
 
@@ -58,7 +59,7 @@ class SnapshotRecorder:
             one is written); called once, when the files are written.
         breakdown: The predicted bytes per category at the peak, printed on an out-of-memory error.
 
-    Every method warns instead of raising: the recorder never stops a job.
+    Its public methods warn instead of raising: the recorder never stops a job or replaces its error.
     """
 
     def __init__(self, folder: str | os.PathLike[str], *, rank: int = 0,
@@ -94,7 +95,13 @@ class SnapshotRecorder:
 
     def on_oom(self, error: BaseException) -> None:
         """On ``torch.OutOfMemoryError``: write what there is and print the predicted breakdown next to
-        what was live. The caller raises ``error`` on."""
+        what was live. The caller raises ``error`` on; nothing here raises."""
+        try:
+            self._report_oom()
+        except Exception as e:  # noqa: BLE001 - the job's own error must be the one that leaves
+            warnings.warn(f"llmem: the out-of-memory report failed ({type(e).__name__}: {e})", stacklevel=2)
+
+    def _report_oom(self) -> None:
         import torch
 
         if not torch.cuda.is_available():

@@ -290,9 +290,11 @@ class LLMemCallback(TrainerCallback):
         snapshot_dir: Record the real allocator history of the first steps
             (until the comparison) and write it there with the predicted
             snapshot and their comparison; on a CUDA out-of-memory error in
-            a training step, write them and print the predicted breakdown,
-            then let the error through (:mod:`llmem_plugin.integrations._snapshots`).
-            Off by default: recording slows every allocation.
+            a training step or the optimizer step, write them and print the
+            predicted breakdown, then let the error through
+            (:mod:`llmem_plugin.integrations._snapshots`). Not with
+            ``auto_find_batch_size``, whose trials run out of memory on
+            purpose. Off by default: recording slows every allocation.
 
     The comparison waits for the first steady-state step (step 2,
     :data:`~llmem_plugin.integrations._common.FIRST_STEADY_STEP`): the
@@ -428,22 +430,31 @@ class LLMemCallback(TrainerCallback):
 
         self.recorder = SnapshotRecorder(self.snapshot_dir, rank=int(getattr(args, "process_index", 0)),
                                          predicted=lambda: _common.predicted_snapshot(self.check))
-        trainer = self._trainer
-        if trainer is None or getattr(trainer.training_step, "_llmem_wrapped", False):
-            return
-        step, recorder = trainer.training_step, self.recorder
+        if getattr(args, "auto_find_batch_size", False):
+            return  # its out-of-memory trials are the Trainer's to handle: no report per trial
+        for owner, name in ((self._trainer, "training_step"), (self._optimizer, "step")):
+            if owner is not None and not getattr(getattr(owner, name, None), "_llmem_wrapped", False):
+                setattr(owner, name, self._reporting_oom(getattr(owner, name)))
 
-        def training_step(*a, **kw):
+    def _reporting_oom(self, fn):
+        """``fn`` (the training step, the optimizer step) reporting a CUDA out-of-memory error through the
+        current recorder, then raising it on unchanged."""
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
             try:
-                return step(*a, **kw)
+                return fn(*a, **kw)
             except torch.OutOfMemoryError as e:
-                est = self.check.estimate if self.check is not None else None
-                recorder.breakdown = {c.value: v for c, v in getattr(est, "breakdown", {}).items()}
-                recorder.on_oom(e)
+                if self.recorder is not None:
+                    est = self.check.estimate if self.check is not None else None
+                    self.recorder.breakdown = {getattr(c, "value", c): v
+                                               for c, v in (getattr(est, "breakdown", None) or {}).items()}
+                    self.recorder.on_oom(e)
                 raise
 
-        training_step._llmem_wrapped = True
-        trainer.training_step = training_step
+        wrapped._llmem_wrapped = True
+        return wrapped
 
     def _first_forward(self, live, target, memory, args_in, kwargs_in) -> None:
         self._hook.remove()

@@ -471,6 +471,17 @@ class _AutoStrategyMixin:
         rank_zero_info(f"{text}\n{decision.report}")
         return decision
 
+    @staticmethod
+    def _snapshot_of(checked: Any) -> dict[str, Any] | None:
+        """The check's predicted snapshot; a failure only warns (the decision stands)."""
+        from llmem_plugin.integrations import _common
+
+        try:
+            return _common.predicted_snapshot(checked)
+        except Exception as e:  # noqa: BLE001 - the snapshot is extra; the job goes on
+            warnings.warn(f"llmem-auto: no predicted snapshot ({type(e).__name__}: {e})", stacklevel=3)
+            return None
+
     def _predict_snapshot(self, decision: _Decision, inputs: dict[str, Any]) -> None:
         """The single-GPU predicted snapshot and breakdown onto ``decision``; a failure only warns."""
         from llmem_plugin.integrations import _common
@@ -548,7 +559,7 @@ class _AutoStrategyMixin:
         report = _report(plan) if plan is not None else checked.report
         breakdown = getattr(getattr(checked.estimate, "worst", checked.estimate), "breakdown", {})
         return _Decision(method, tp=tp, plan=plan, candidate=plan.choice if plan else None, prediction=checked.prediction, report=report,
-                         snapshot=_common.predicted_snapshot(checked) if keep else None,
+                         snapshot=self._snapshot_of(checked) if keep else None,
                          breakdown={getattr(k, "value", k): v for k, v in breakdown.items()},
                          message=f"{why}; {checked.message()}" + "".join(f"; {n}" for n in inputs["notes"]),
                          notes=inputs["notes"])

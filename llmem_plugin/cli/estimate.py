@@ -436,9 +436,15 @@ def _write_rank_snapshots(args: argparse.Namespace, layout, wl, gpu, options: di
 
     from llmem_plugin.snapshot.predict import method_snapshots, write_snapshot
 
+    from llmem_plugin.errors import UnsupportedError
+
+    if args.method.startswith("pp"):
+        raise UnsupportedError(f"--snapshot with --method {args.method}: a pipeline schedule's stages are not "
+                               "written as snapshots yet. HINT: drop --snapshot, or use `llmem plan --html`")
+    extra = {"sequence_parallel": True} if args.sequence_parallel and args.method in _TP_METHODS else {}
     path = Path(args.snapshot)
     snaps = method_snapshots(args.method, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,
-                             torch_version=args.torch_version, **options)
+                             torch_version=args.torch_version, **options, **extra)
     for rank, snap in sorted(snaps.items()):
         out = write_snapshot(snap, path.with_name(f"{path.stem}-rank{rank}{path.suffix}"))
         print(f"wrote rank {rank}'s predicted snapshot to {out}", file=sys.stderr)

@@ -244,13 +244,14 @@ class CachingAllocator:
         self._next_base = _SEGMENT_GAP
         # With config.large_segments_descend, new large segments are placed top-down from here.
         self._next_top = _DESCENDING_TOP
-        # When a list: every action, as ``(action, address, bytes)`` in the order
-        # torch's _record_memory_history records them (TraceEntry::Action).
-        self.history: list[tuple[str, int, int]] | None = None
+        # When a list: every action, as ``(action, address, bytes, block bytes)`` in the order
+        # torch's _record_memory_history records them (TraceEntry::Action); block bytes differ from
+        # bytes for an allocation (its block, rounded and perhaps unsplit) and are bytes otherwise.
+        self.history: list[tuple[str, int, int, int]] | None = None
 
-    def _note(self, action: str, addr: int, nbytes: int) -> None:
+    def _note(self, action: str, addr: int, nbytes: int, block: int | None = None) -> None:
         if self.history is not None:
-            self.history.append((action, addr, nbytes))
+            self.history.append((action, addr, nbytes, nbytes if block is None else block))
 
     # ------------------------------------------------------------ sizing rules
     def round_size(self, size: int) -> int:
@@ -302,8 +303,9 @@ class CachingAllocator:
                 or (self._release_cached_blocks() and self._alloc_block(pool, size, alloc_size, retry=True))
             )
             if not block:
-                # DeviceCachingAllocator::malloc records TraceEntry::OOM (its size is the request) before raising.
-                self._note("oom", 0, nbytes)
+                # DeviceCachingAllocator::malloc records TraceEntry::OOM before raising, with params.size():
+                # the request as round_size() rounded it.
+                self._note("oom", 0, size)
                 raise SimulatedOOM(
                     f"request of {nbytes} B: {self.stats.allocated} B allocated, {self.stats.reserved} B reserved"
                 )
@@ -318,7 +320,7 @@ class CachingAllocator:
         st.requested += nbytes
         st.peak_allocated = max(st.peak_allocated, st.allocated)
         st.peak_requested = max(st.peak_requested, st.requested)
-        self._note("alloc", block.addr, nbytes)  # TraceEntry::ALLOC carries the size asked for
+        self._note("alloc", block.addr, nbytes, block.size)  # TraceEntry::ALLOC carries the size asked for
         return block.addr
 
     def free(self, addr: int) -> None:
@@ -326,8 +328,8 @@ class CachingAllocator:
         block = self._live.pop(addr)
         # free(): FREE_REQUESTED, then (no other stream uses the block) free_block()'s FREE_COMPLETED,
         # both with the block's requested size.
-        self._note("free_requested", block.addr, block.requested)
-        self._note("free_completed", block.addr, block.requested)
+        self._note("free_requested", block.addr, block.requested, block.size)
+        self._note("free_completed", block.addr, block.requested, block.size)
         block.allocated = False
         self.stats.allocated -= block.size
         self.stats.requested -= block.requested

@@ -134,6 +134,7 @@ class RankTracker(StreamTracker):
         tensors autograd saved), which no ATen op reports."""
         if _pause.is_paused():
             return
+        self._op = torch.ops.aten.resize_.default  # what the storage's re-allocation is (no op dispatched it)
         for t in tensors:
             self._see(local(t).untyped_storage(), category)
         self.label(tensors, category)

@@ -5,3 +5,5 @@
 - :mod:`~llmem_plugin.snapshot.compare`: a predicted and a real snapshot aligned,
   and what differs between them, in one line.
 """
+
+__all__: list[str] = []  # the modules are the API

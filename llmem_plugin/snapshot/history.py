@@ -20,7 +20,7 @@ from typing import Any
 from llmem_plugin.device.allocator_config import MIN_BLOCK_SIZE
 from llmem_plugin.errors import ConfigError
 
-__all__ = ["Allocation", "History", "load_snapshot", "read_history"]
+__all__ = ["Allocation", "History", "block_bytes", "load_snapshot", "read_history"]
 
 
 @dataclass(slots=True)
@@ -81,8 +81,10 @@ class History:
         return [a for a in self.allocations if a.start <= entry and (a.end is None or a.end > entry)]
 
 
-def _block_bytes(requested: int) -> int:
-    """round_size(): at least kMinBlockSize, a multiple of it (CUDACachingAllocator.cpp)."""
+def block_bytes(requested: int) -> int:
+    """round_size(): at least kMinBlockSize, a multiple of it (CUDACachingAllocator.cpp). A large block
+    that is not split keeps its whole size, which a trace entry does not say: predicted snapshots write it
+    as ``block_size``; a real snapshot's blocks live at the end give theirs (``segments``)."""
     return max(MIN_BLOCK_SIZE, -(-requested // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE)
 
 
@@ -101,7 +103,7 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
     try:
-        data = json.loads(raw) if raw[:1] in (b"{", b"[") else pickle.loads(raw)  # noqa: S301 - the user's own file
+        data = json.loads(raw) if raw.lstrip()[:1] in (b"{", b"[") else pickle.loads(raw)  # noqa: S301 - the user's own file
     except Exception as e:  # noqa: BLE001 - any decoding failure is the same user error
         raise ConfigError(f"{str(path)!r} is not a memory snapshot ({type(e).__name__}). HINT: pass the file "
                           "torch.cuda.memory._dump_snapshot() or `llmem estimate --snapshot` wrote") from None
@@ -113,18 +115,29 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def read_history(snapshot: dict[str, Any], device: int = 0) -> History:
-    """The history of ``device`` in ``snapshot``, with the bytes live after every entry.
+def read_history(snapshot: dict[str, Any], device: int | None = None) -> History:
+    """The history of ``device`` in ``snapshot`` (default: the one device with a history), with the
+    bytes live after every entry.
+
+    The allocated bytes are ``memory_allocated()``'s for a predicted snapshot (its entries carry the
+    blocks kept whole). For a real one they are exact for blocks split to the request and for those live
+    at the end; a block kept whole and freed within the history counts as its rounded request, a little
+    under (at most 1 MiB per such block: the allocator splits a block when more than that is left).
 
     Raises:
         ConfigError: The snapshot recorded no history for ``device`` (``_record_memory_history`` was off).
     """
     traces = snapshot.get("device_traces") or []
+    if device is None:  # the one device with a history (a rank's dump holds its own device's, at its index)
+        used = [d for d, t in enumerate(traces) if t]
+        device = used[0] if len(used) == 1 else 0
     entries = traces[device] if device < len(traces) else []
     if not entries:
         raise ConfigError(f"the snapshot holds no allocator history for device {device}. HINT: call "
                           "torch.cuda.memory._record_memory_history() before the steps, then _dump_snapshot()")
     segs = [s for s in snapshot["segments"] if s.get("device", 0) == device]
+    # Blocks live at the end: their own sizes, for allocations whose block was kept whole.
+    live_size = {b.get("address"): b["size"] for s in segs for b in s["blocks"] if b["state"].startswith("active")}
     allocated_end = sum(b["size"] for s in segs for b in s["blocks"] if b["state"].startswith("active"))
     reserved_end = sum(s["total_size"] for s in segs)
     allocs: list[Allocation] = []
@@ -133,7 +146,8 @@ def read_history(snapshot: dict[str, Any], device: int = 0) -> History:
     for n, e in enumerate(entries):
         action, da, dr = e["action"], 0, 0
         if action == "alloc":
-            a = Allocation(n, None, _block_bytes(e["size"]), e["size"], e.get("frames") or [], e.get("category"))
+            size = e.get("block_size") or block_bytes(e["size"])
+            a = Allocation(n, None, size, e["size"], e.get("frames") or [], e.get("category"))
             allocs.append(a)
             open_at[e["addr"]] = a
             da = a.size
@@ -141,13 +155,18 @@ def read_history(snapshot: dict[str, Any], device: int = 0) -> History:
             a = open_at.pop(e["addr"], None)
             if a is not None:
                 a.end = n
-            da = -(a.size if a is not None else _block_bytes(e["size"]))
+            da = -(a.size if a is not None else block_bytes(e["size"]))
         elif action in ("segment_alloc", "segment_map"):
             dr = e["size"]
         elif action in ("segment_free", "segment_unmap"):
             dr = -e["size"]
         deltas_a.append(da)
         deltas_r.append(dr)
+    for addr, a in open_at.items():  # live at the end: the end state knows its block's size
+        real = live_size.get(addr)
+        if real is not None and real != a.size:
+            deltas_a[a.start] += real - a.size
+            a.size = real
     allocated_before, reserved_before = allocated_end - sum(deltas_a), reserved_end - sum(deltas_r)
     allocated, reserved = [], []
     cur_a, cur_r = allocated_before, reserved_before

@@ -34,8 +34,9 @@ from llmem_plugin.device.allocator import CachingAllocator, SimulatedOOM
 from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.device.overheads import DeviceOverheads
 from llmem_plugin.errors import ConfigError
+from llmem_plugin.snapshot.history import block_bytes
 from llmem_plugin.errors import UnsupportedError
-from llmem_plugin.estimate import Estimate, allocator_events
+from llmem_plugin.estimate import Estimate, allocator_events, trace_positions
 from llmem_plugin.trace.tracker import Phase, TraceResult
 
 __all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "method_snapshots", "predicted_snapshot", "replay_history", "snapshot_of",
@@ -90,7 +91,7 @@ class _Frames:
 
 def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[int], config: AllocatorConfig, *,
                    capacity_bytes: int | None = None, device_memory_bytes: int | None = None,
-                   start: int | None = None) -> tuple[CachingAllocator, list[tuple[str, int, int]], list[int],
+                   start: int | None = None) -> tuple[CachingAllocator, list[tuple[str, int, int, int]], list[int],
                                                       dict[int, int]]:
     """Replay ``events`` with the allocator's history on.
 
@@ -104,8 +105,9 @@ def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[i
             history starts (what a job records after loading); None: from the first event.
 
     Returns:
-        The allocator at the end, its history, the event each entry came from,
-        and the key of every block live at the end, by address.
+        The allocator at the end, its history (``(action, address, bytes, block bytes)``,
+        :attr:`CachingAllocator.history`), the event each entry came from, and the key of every
+        block live at the end, by address.
     """
     alloc = CachingAllocator(config, capacity_bytes=capacity_bytes, device_memory_bytes=device_memory_bytes)
     alloc.history = [] if start is None else None
@@ -122,7 +124,8 @@ def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[i
                     handles[key] = alloc.malloc(requested[i])
                 except SimulatedOOM:
                     if alloc.history is None:  # out of memory before the history starts: it holds the oom alone
-                        alloc.history, before = [("oom", 0, requested[i])], 0
+                        size = alloc.round_size(requested[i])
+                        alloc.history, before = [("oom", 0, size, size)], 0
                     owner.extend([i] * (len(alloc.history) - before))
                     break
         else:
@@ -158,28 +161,27 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
     recs = trace.records
     requested = [(recs.requested[key] if recs is not None and 0 <= key < len(recs) else nbytes) if sign > 0 else 0
                  for sign, key, nbytes in events]
-    begin = None
-    if start is not None:  # a trace event index -> its index among the stream's events (workspaces inserted)
-        begin = [j for j, (_, key, _) in enumerate(events) if key >= 0][start] if start < trace.num_events \
-            else len(events)
+    begin = None if start is None else trace_positions(events)[start]  # workspaces inserted before it
     alloc, history, owner, live = replay_history(events, requested, config, capacity_bytes=capacity_bytes,
                                                  device_memory_bytes=device_memory_bytes, start=begin)
     frames = _Frames(trace)
     entries = []
     of, tensor_actions = frames.of, ("alloc", "free_requested", "free_completed", "oom")
-    for n, ((action, addr, size), i) in enumerate(zip(history, owner, strict=True)):
+    for n, ((action, addr, size, block), i) in enumerate(zip(history, owner, strict=True)):
         # torch's entries also carry compile_context and user_metadata (torch.compile's and the user's
         # annotations); none is made here, and readers treat them as optional.
         if action in tensor_actions:
             fr, category = of(events[i][1], phases[i])
             entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
                      "frames": fr, "category": category}
+            if action == "alloc" and block != block_bytes(size):
+                entry["block_size"] = block  # a block kept whole (not split): more than the rounded request
         else:
             entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
                      "frames": []}
-        if action == "oom":  # TraceEntry::OOM keeps the device's free bytes where others keep the address
-            free = (capacity_bytes - alloc.stats.reserved) if capacity_bytes is not None else 0
-            entry["addr"] = entry["device_free"] = free
+        if action == "oom":  # TraceEntry::OOM holds the device's free bytes instead of an address
+            del entry["addr"]
+            entry["device_free"] = (capacity_bytes - alloc.stats.reserved) if capacity_bytes is not None else 0
         entries.append(entry)
     if entries and not any(e.get("category") == UNKNOWN for e in entries):
         # MemoryViz needs 'unknown' among the categories once there are any; torch logs a

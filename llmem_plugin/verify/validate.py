@@ -497,7 +497,7 @@ def _row_gpu(row: dict[str, Any], gpu_name: str | None = None) -> Any:
 
 def estimate_row(row: dict[str, Any], *, keep_trace: bool = False, **changes: Any) -> Any:
     """The single-GPU estimate of a GPU or stub row, as :func:`validate_rows` makes it (the harness's
-    SDPA backends and loading), with ``changes`` to its workload (``batch_size=1``: what a job that
+    SDPA backends and loading), with ``changes`` to its workload (``micro_batch_size=1``: what a job that
     differs from the run predicts); ``keep_trace`` as for :func:`llmem_plugin.estimate.estimate`.
 
     Raises:
@@ -508,7 +508,8 @@ def estimate_row(row: dict[str, Any], *, keep_trace: bool = False, **changes: An
     from llmem_plugin.estimate import estimate
 
     if (row.get("method") or {}).get("name", "single") != "single" or row.get("seq_lens") is not None:
-        raise UnsupportedError(f"row '{row['id']}': estimate_row covers single-GPU, fixed-shape rows")
+        raise UnsupportedError(f"row '{row['id']}': estimate_row covers single-GPU, fixed-shape rows. HINT: "
+                               "validate_rows predicts distributed and variable-length rows")
     with _sdpa_backends(row), _harness_loading(row):
         built = _as_harness_built(row)
         wl = dataclasses.replace(_workload(built["workload"]), **changes)

@@ -37,7 +37,7 @@ def test_the_history_follows_the_allocators_documented_rules():
     requested = [4000, 12_000_000, 1200, 5 * MiB, 0]
     alloc, history, owner, live = replay_history(events, requested, AllocatorConfig())
     base_small, base_big = history[0][1], history[2][1]
-    assert [(a, s) for a, _, s in history] == [
+    assert [(a, s) for a, _, s, _ in history] == [
         ("segment_alloc", 2 * MiB), ("alloc", 4000),
         ("segment_alloc", 12 * MiB), ("alloc", 12_000_000),
         ("alloc", 1200),
@@ -146,3 +146,15 @@ def test_a_method_on_side_streams_is_refused_in_one_line():
     with pytest.raises(UnsupportedError, match="side streams"):
         method_snapshots("fsdp", TINY, Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed"),
                          layout=Layout(num_gpus=2), gpu="h100-sxm")
+
+
+def test_blocks_kept_whole_count_at_their_size():
+    """Qwen2.5-0.5B at 512 tokens makes large requests that leave less than 1 MiB of their block, which the
+    allocator then does not split (should_split: more than kSmallSize left), so memory_allocated() counts the
+    whole block. The entries say so (block_size), and the history's peak is the replay's."""
+    est = estimate("qwen2.5-0.5b", seq_len=512, micro_batch_size=2, precision="bf16-mixed", keep_trace=True)
+    snap = snapshot_of(est)
+    whole = [e for e in snap["device_traces"][0] if "block_size" in e]
+    assert whole and all(0 < e["block_size"] - e["size"] <= MiB for e in whole)
+    h = read_history(snap)
+    assert (h.peak_allocated_bytes, h.allocated_before) == (est.peak_allocated_bytes, 0)

@@ -96,7 +96,7 @@ print(json.dumps([(x["action"], x["size"]) for x in torch.cuda.memory._snapshot(
     alloc, history, _, _ = replay_history(events, requested, AllocatorConfig())
     alloc.history = history
     alloc.empty_cache()
-    assert [(a, s) for a, _, s in history] == torch_side
+    assert [(a, s) for a, _, s, _ in history] == torch_side
 
 
 def test_compare_names_a_batch_twice_the_predicted_one(real):
