@@ -529,6 +529,10 @@ def check_args(args: argparse.Namespace) -> None:
         csv_list(args.tp, TP)
     if getattr(args, "plot", None):
         _check_output_path(args.plot, "--plot", suffixes=(".png", ".svg", ".pdf"))
+    if getattr(args, "snapshot", None):  # a pickle, as _dump_snapshot writes, or JSON (snapshot.predict)
+        _check_output_path(args.snapshot, "--snapshot", suffixes=(".pickle", ".pkl", ".json"))
+    if getattr(args, "html", None):
+        _check_output_path(args.html, "--html", suffixes=(".html", ".htm"))
     gpus, nodes = getattr(args, "gpus", None), getattr(args, "nodes", 1)
     if gpus is not None and gpus > _MAX_GPUS_PER_NODE * nodes:
         raise ConfigError(f"--gpus {gpus} over --nodes {nodes} puts {-(-gpus // nodes)} GPUs on a node; a node holds "
@@ -580,7 +584,7 @@ def _check_output_path(path: str, flag: str, *, suffixes: tuple[str, ...]) -> No
     if "\0" in path:
         raise ConfigError(f"{flag} {path!r} holds a NUL byte. HINT: pass a file name such as memory.png")
     if not path.lower().endswith(suffixes):
-        raise ConfigError(f"{flag} {path!r} has no known image suffix. HINT: end it with {', '.join(suffixes)}")
+        raise ConfigError(f"{flag} {path!r} has no known suffix for it. HINT: end it with {', '.join(suffixes)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path!r}: folder {folder} does not exist. HINT: create it, or write elsewhere")

@@ -78,3 +78,13 @@ def test_the_plan_report_lists_every_candidate(chromium, tmp_path, capsys):
     assert len(rows) == len(plan["candidates"]) and rows.count("chosen") == 1
     memory = [int(v) for v in re.findall(r'<td class="mem" data-v="(\d+)">', table)]
     assert memory == [c["device_total_bytes"] for c in plan["candidates"]]
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_trace(tmp_path, capsys):
+    from llmem_plugin.cli.options import EXIT_BAD_INPUT
+
+    for flag, path, said in (("--html", tmp_path / "missing" / "r.html", "does not exist"),
+                             ("--html", tmp_path / "r.png", "no known suffix"),
+                             ("--snapshot", tmp_path / "missing" / "p.pickle", "does not exist")):
+        code, _, err = run(capsys, "estimate", "--model", TINY, flag, str(path))
+        assert code == EXIT_BAD_INPUT and said in err and "Traceback" not in err
