@@ -712,20 +712,21 @@ def strategy_class(package: str = "lightning.pytorch") -> type:
     return _CLASSES[key]
 
 
-def _meter_callback(package: str) -> type:
-    key = (package, "callback")
+def _callback_class(package: str, name: str, mixin: type) -> type:
+    """``mixin`` as a Callback of ``package`` (made once per package)."""
+    key = (package, name)
     if key not in _CLASSES:
         pl = importlib.import_module(package)
-        _CLASSES[key] = type("LLMemVerify", (_MeterMixin, pl.Callback), {"__module__": __name__})
+        _CLASSES[key] = type(name, (mixin, pl.Callback), {"__module__": __name__})
     return _CLASSES[key]
+
+
+def _meter_callback(package: str) -> type:
+    return _callback_class(package, "LLMemVerify", _MeterMixin)
 
 
 def _snapshot_callback(package: str) -> type:
-    key = (package, "snapshots")
-    if key not in _CLASSES:
-        pl = importlib.import_module(package)
-        _CLASSES[key] = type("LLMemSnapshots", (_SnapshotMixin, pl.Callback), {"__module__": __name__})
-    return _CLASSES[key]
+    return _callback_class(package, "LLMemSnapshots", _SnapshotMixin)
 
 
 # ----------------------------------------------------------------------------- the batch size finder
