@@ -404,3 +404,17 @@ def test_autoconfigure_refuses_pipeline_methods_the_trainer_cannot_run(tmp_path)
                                           r"Trainer") as e:
         autoconfigure(_model(), args, {"num_gpus": 4, "gpu": "h100-sxm"}, seq_len=SEQ, methods=["ddp", "pp"])
     assert "\n" not in str(e.value)
+
+
+def test_snapshot_dir_on_a_cpu_trains_and_writes_nothing(tmp_path):
+    """No CUDA device, no allocator history to record: the job trains as without the option, the optimizer
+    step wrapped for out-of-memory reports still steps."""
+    folder = tmp_path / "snaps"
+    cb = LLMemCallback(gpu="h100-sxm", snapshot_dir=str(folder), compare_after_steps=2)
+    trainer = _trainer(tmp_path, _model(), cb, steps=3)
+    counter = _CountSteps()
+    trainer.add_callback(counter)
+    trainer.train()
+    assert trainer.state.global_step == 3 and counter.optimizer_steps == 3
+    assert cb.recorder is not None and not cb.recorder.recording and not folder.exists()
+    assert getattr(trainer.training_step, "_llmem_wrapped", False)
