@@ -18,7 +18,10 @@
 #     datasets 5.2.0 and what it imports (trl 1.16.0 and datasets METADATA:
 #     dill<0.4.2, multiprocess<0.70.20, pandas, pyarrow>=24, xxhash);
 #   - the stub CUDA device (stubcuda/setup.sh: a second venv with torch's CUDA
-#     build, installed --no-deps, and the C stand-ins).
+#     build, installed --no-deps, and the C stand-ins);
+#   - Debian's chromium, which renders the --html report headless and offline
+#     (tests/cli/test_html.py), where apt-get can install it (root, or sudo
+#     without a password); elsewhere those tests skip, unless LLMEM_REQUIRE_BROWSER is set.
 # Usage: tests/setup.sh [PYTHON]   (default: python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,3 +41,8 @@ rm -rf .frameworks
     "axolotl==0.19.0" "addict==2.4.0" "llamafactory==0.9.5" "trl==1.16.0" \
     "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" "pandas==3.1.1" "pyarrow==26.0.1" "xxhash==4.1.0"
 stubcuda/setup.sh "$PY"
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium; } \
+        || echo "tests/setup.sh: chromium not installed; the --html report tests will skip" >&2
+fi
