@@ -63,18 +63,20 @@ class History:
 
     @property
     def peak_allocated_bytes(self) -> int:
-        return max(self.allocated, default=self.allocated_before)
+        """The most allocated over the history, its starting state included (as ``max_memory_allocated``
+        reads after ``reset_peak_memory_stats`` where the recording started)."""
+        return max(self.allocated_before, *self.allocated)
 
     @property
     def peak_reserved_bytes(self) -> int:
-        return max(self.reserved, default=self.reserved_before)
+        """The most reserved over the history, its starting state included."""
+        return max(self.reserved_before, *self.reserved)
 
     @property
     def peak_entry(self) -> int:
-        """The first entry at which the allocated bytes peak (-1: before the history)."""
-        if not self.allocated:
-            return -1
-        return self.allocated.index(self.peak_allocated_bytes)
+        """The first entry at which the allocated bytes peak (-1: the state before the history)."""
+        peak = self.peak_allocated_bytes
+        return self.allocated.index(peak) if peak in self.allocated else -1
 
     def live_at(self, entry: int) -> list[Allocation]:
         """The allocations of the history live right after ``entry``."""

@@ -34,7 +34,7 @@ from llmem_plugin.device.allocator import CachingAllocator, SimulatedOOM
 from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.device.overheads import DeviceOverheads
 from llmem_plugin.errors import ConfigError
-from llmem_plugin.snapshot.history import block_bytes
+from llmem_plugin.snapshot.history import block_bytes, read_history
 from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.estimate import Estimate, allocator_events, trace_positions
 from llmem_plugin.trace.tracker import Phase, TraceResult
@@ -271,16 +271,10 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
 
 
 def _peak_reserved(snap: dict[str, Any]) -> int:
-    """The most bytes the history's segments held at once (the end state replayed backwards)."""
-    held = sum(s["total_size"] for s in snap["segments"])
-    peak = held
-    for e in reversed(snap["device_traces"][0]):
-        if e["action"] in ("segment_alloc", "segment_map"):
-            held -= e["size"]
-        elif e["action"] in ("segment_free", "segment_unmap"):
-            held += e["size"]
-        peak = max(peak, held)
-    return peak
+    """The most bytes the history's segments held at once (its end state where it has no history)."""
+    if not snap["device_traces"][0]:
+        return sum(s["total_size"] for s in snap["segments"])
+    return read_history(snap).peak_reserved_bytes
 
 
 def _settings(config: AllocatorConfig) -> dict[str, Any]:
