@@ -45,6 +45,7 @@ __all__ = ["run_case"]
 _LR = 5e-5
 # A folder: each case's allocator history from the peak reset on is dumped there as a snapshot.
 SNAPSHOT_ENV = "LLMEM_STUB_SNAPSHOT_DIR"
+SNAPSHOT_STACKS_ENV = "LLMEM_STUB_SNAPSHOT_STACKS"  # "python": the dumped entries carry Python frames
 
 
 class _Nvml:
@@ -117,7 +118,10 @@ class _Recorder:
         if os.environ.get(SNAPSHOT_ENV):
             # The allocator's history from here on (no stacks: the comparison is of the actions), dumped
             # when the case ends (run_case): tests/stub/test_snapshot.py sets it against the predicted one.
-            torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None)
+            # LLMEM_STUB_SNAPSHOT_STACKS=python adds each entry's Python frames (to read a difference).
+            torch.cuda.memory._record_memory_history(
+                max_entries=4_000_000, context="alloc" if os.environ.get(SNAPSHOT_STACKS_ENV) else None,
+                stacks=os.environ.get(SNAPSHOT_STACKS_ENV) or "all")
 
     def record(self, step: int) -> None:
         import torch

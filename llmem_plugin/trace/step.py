@@ -147,6 +147,12 @@ def host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
+def _is_torch_optimizer(optimizer: object) -> bool:
+    """One of torch.optim's own optimizers, whose ``torch.tensor`` constants stay on the host
+    (:meth:`llmem_plugin.trace.tracker.MemoryTracker.host_constants`)."""
+    return type(optimizer).__module__.startswith("torch.optim.")
+
+
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
@@ -477,12 +483,16 @@ def _forward_loss(loop: _Loop, model: nn.Module, input_ids: torch.Tensor, labels
         from llmem_plugin.techniques.loss import fabric_cast
 
         out = fabric_cast(out)
-    loss = out["loss"] / workload.grad_accum_steps
     if loop.held_through_backward:
+        loss = out["loss"] / workload.grad_accum_steps
         loop.drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
         loop.previous.append(out)
+        del out
+        return loss
+    # `model(...).loss / n`: the outputs (the logits) go before the division allocates its result
+    loss = out["loss"]
     del out
-    return loss
+    return loss / workload.grad_accum_steps
 
 
 def _optimizer_step(loop: _Loop) -> None:
@@ -495,7 +505,8 @@ def _optimizer_step(loop: _Loop) -> None:
         # Trainer: accelerator.clip_grad_norm_ -> torch.nn.utils.clip_grad_norm_
         # (foreach on CUDA) when max_grad_norm > 0, its default 1.0.
         torch.nn.utils.clip_grad_norm_(loop.trainable, _HF_MAX_GRAD_NORM, foreach=True)
-    with _pause.untracked() if loop.offload else contextlib.nullcontext():
+    host = tracker.host_constants() if _is_torch_optimizer(loop.optimizer) else contextlib.nullcontext()
+    with _pause.untracked() if loop.offload else host:
         stepped = loop.hooks.step(loop.optimizer)
     if stepped is not None:
         tracker.label(state_tensors(stepped), loop.held or MemoryCategory.OPTIMIZER_STATE)

@@ -41,6 +41,7 @@ _CUDA_MIN_BLOCK_BYTES = 512
 _SAME_DTYPE_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                                  torch.ops.aten.baddbmm.default})
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default  # where `torch.tensor(data)` makes its constant
 _PRIM_DEVICE = torch.ops.prim.device.default
 _PLACEHOLDER_SCALAR = {True: 1.0, False: 1}
 
@@ -193,6 +194,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}
         self._marks: dict[str, int] = {}  # "name:phase" -> index into _events
         self._op: Any = None  # the op whose outputs _see is looking at (None: a registered tensor)
+        self._host_constants = False  # inside host_constants()
 
     # ------------------------------------------------------------------ setup
     def watch_modules(self, model: torch.nn.Module) -> None:
@@ -276,6 +278,21 @@ class MemoryTracker(TorchDispatchMode):
             self._see(t.untyped_storage(), category)
         self.label(tensors, category)
 
+    @contextlib.contextmanager
+    def host_constants(self) -> Iterator[None]:
+        """Inside the block, ``torch.tensor(...)`` constants are host memory (``HOST``).
+
+        The trace runs on the CPU, so it cannot tell ``torch.tensor(1.0, device="cpu")`` from a
+        constant a real run makes on the GPU. torch.optim's steps (2.13) make host constants only:
+        the step counters' ``torch.tensor(1.0, device="cpu")`` increment (adam.py ``_multi_tensor_adam``,
+        _adafactor.py), which the stub CUDA device never sees.
+        """
+        before, self._host_constants = self._host_constants, True
+        try:
+            yield
+        finally:
+            self._host_constants = before
+
     def owned_by(self, tensor: torch.Tensor) -> contextlib.AbstractContextManager:
         """Allocations inside the block belong with ``tensor`` (a parameter):
         a layer-tagging tracker tags them with its layer. Here: nothing."""
@@ -354,6 +371,8 @@ class MemoryTracker(TorchDispatchMode):
             self._free(key)
         if nbytes == 0:
             return
+        if self._host_constants and self._op is _LIFT_FRESH:
+            category = MemoryCategory.HOST
         rec = _Storage(nbytes, category, self.phase, self.current_module, None, int(requested), self._op)
         idx = len(self._records)
         self._records.append(rec)

@@ -7,6 +7,8 @@ inside the tracker, looks at every ATen op of the traced step:
   blocks allocates a buffer and semaphores after its output and frees them
   before returning (:mod:`.reduce`); here the same two allocations are made
   and dropped, so the tracker sees them in the same place.
+* **Scans into another dtype.** ``cumsum``/``cumprod`` copy their input into
+  the output's dtype first (:func:`_cum_input_copy`).
 * **Softmax backward.** CUDA's ``_softmax_backward_data`` computes
   ``grad * output`` into a temporary the size of the gradient, after its
   output and freed on return (aten/src/ATen/native/cuda/SoftMax.cu,
@@ -57,6 +59,7 @@ CUBLAS_OPS = frozenset({
     _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default, _aten._addmm_activation.default,
 })
 _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
+_CUM_OPS = frozenset({_aten.cumsum.default, _aten.cumprod.default})
 _ADD = _aten.add.Tensor
 # Frames between a dispatch mode and the code that called the op.
 _DISPATCH_FRAMES = (os.sep + "_dynamo" + os.sep, os.sep + "torch" + os.sep + "_compile.py")
@@ -122,6 +125,25 @@ def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
     return torch.empty_like(x, dtype=out.dtype)
 
 
+def _cum_input_copy(x: torch.Tensor, out: object) -> torch.Tensor | None:
+    """The input copy ``cumsum``/``cumprod`` into another dtype makes (a bool mask's ``cumsum`` into
+    int64), after the output and freed once the scan returns.
+
+    ReduceOps.cpp ``impl_func_cum_ops`` hands ``self.to(result.scalar_type())`` to the scan stub (the
+    XPU port in torch-xpu-ops' ``ScanKernels``/``ReduceOps`` keeps the same line); ``to`` copies when
+    the dtypes differ, preserving the input's strides. A 0-dim or empty input takes no copy (``fill_`` /
+    ``zero_``). Seen on the stub CUDA device in transformers' ``find_packed_sequence_indices``
+    (``(position_diff != 1).cumsum(-1)``, once per forward).
+    """
+    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dtype == x.dtype:
+        return None
+    if x.dim() == 0 or x.numel() == 0:
+        return None
+    if is_non_overlapping_and_dense(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=out.dtype, device=x.device)
+    return torch.empty(x.shape, dtype=out.dtype, device=x.device)
+
+
 # Threads per multiprocessor where the table has no entry: sm90's.
 _DEFAULT_MAX_THREADS_PER_SM = 2048
 
@@ -144,6 +166,9 @@ class _CudaKernelMode(TorchDispatchMode):
         elif func in REDUCE_OPS:
             copy = _promoted_input(args[0], out)
             self._reduce_scratch(args, kwargs)
+            del copy
+        elif func in _CUM_OPS:
+            copy = _cum_input_copy(args[0], out)
             del copy
         elif func is _SOFTMAX_BACKWARD:
             # SoftMax.cu, softmax_backward_cuda_out: ``Tensor tmp = grad * output;``

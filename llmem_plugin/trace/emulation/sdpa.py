@@ -390,9 +390,11 @@ def emulated_sdpa(
     if torch.is_autocast_enabled("cpu"):
         # autocast_mode.h: scaled_dot_product_attention is lower_precision_fp on
         # CUDA; its floating args are cast, then the op runs with autocast off.
+        # Last argument first, as the wrapper's pack expansion evaluates under GCC (autocast.py,
+        # _Signature.map_tensors): the stub device allocates key's copy before query's.
         low = torch.get_autocast_dtype("cpu")
         cast = [t.to(low) if t is not None and t.is_floating_point() and t.dtype not in (low, torch.float64) else t
-                for t in (query, key, value, attn_mask)]
+                for t in (attn_mask, value, key, query)][::-1]
         with torch.autocast("cpu", enabled=False):
             return emulated_sdpa(*cast[:3], cast[3], dropout_p, is_causal, scale, enable_gqa)
     _validate_input(query, key, value, attn_mask)
@@ -680,14 +682,16 @@ class _FlashAttention(torch.autograd.Function):
                 ref = _reference(q, _heads_to(k, h), _heads_to(v, h), None, causal, scale, dropout_p, seed)
                 attention.copy_(ref)  # values only: a saved output's version must not change (SAC checks it)
                 del ref
-        ctx.save_for_backward(q, k, v, attention, lse, rng_state, unused)
+        # Saved in the order the engine releases the C++ node's (Functions.h
+        # ScaledDotProductFlashAttentionBackward0::release_variables: inputs, then outputs, each by name).
+        ctx.save_for_backward(k, q, v, lse, attention, rng_state, unused)
         ctx.args = (dropout_p, causal, scale, seed, target)
         return attention
 
     @staticmethod
     def backward(ctx, grad):
         _notify(ctx, "backward")
-        q, k, v, out, lse, rng_state, unused = ctx.saved_tensors
+        k, q, v, lse, out, rng_state, unused = ctx.saved_tensors
         dropout_p, causal, scale, seed, target = ctx.args
         q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dout = grad.transpose(1, 2).contiguous()
@@ -810,14 +814,15 @@ class _EfficientAttention(torch.autograd.Function):
             with untracked(), torch.autograd._unsafe_preserve_version_counter(attention):
                 attention.copy_(_reference(q, k, v, bias, is_causal, scale_, dropout_p, seed))
         del accum
-        ctx.save_for_backward(q, k, v, bias, attention, lse)
+        # ScaledDotProductEfficientAttentionBackward0::release_variables order (Functions.h).
+        ctx.save_for_backward(bias, k, q, v, lse, attention)
         ctx.args = (dropout_p, is_causal, scale_, seed, target)
         return attention
 
     @staticmethod
     def backward(ctx, grad):
         _notify(ctx, "backward")
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        bias, k, q, v, lse, out = ctx.saved_tensors
         dropout_p, is_causal, scale, seed, target = ctx.args
         q_t, k_t, v_t, out_t = (t.transpose(1, 2) for t in (q, k, v, out))
         g_out = grad.transpose(1, 2).contiguous()
@@ -914,14 +919,15 @@ class _CudnnAttention(torch.autograd.Function):
         if _has_values(q):
             with untracked(), torch.autograd._unsafe_preserve_version_counter(o):
                 o.copy_(_reference(q, _heads_to(k, h), _heads_to(v, h), bias, is_causal, scale_, dropout_p, seed))
-        ctx.save_for_backward(q, k, v, o, stats, seed_t, offset_t, bias)
+        # ScaledDotProductCudnnAttentionBackward0::release_variables order (Functions.h).
+        ctx.save_for_backward(bias, k, q, v, stats, o, offset_t, seed_t)
         ctx.args = (dropout_p, is_causal, scale_, seed)
         return o
 
     @staticmethod
     def backward(ctx, grad):
         _notify(ctx, "backward")
-        q, k, v, o, stats, seed_t, offset_t, bias = ctx.saved_tensors
+        bias, k, q, v, stats, o, offset_t, seed_t = ctx.saved_tensors
         dropout_p, is_causal, scale, seed = ctx.args
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         d_o = grad
