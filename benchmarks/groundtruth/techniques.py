@@ -182,7 +182,7 @@ def _build_quantized(case, *, device: str):
     plain = dataclasses.replace(wl, quantize=None, double_quant=False, kbit_prepare="on", lora=None,
                                 grad_checkpointing=False,
                                 precision="bf16" if compute == torch.bfloat16 else wl.precision)
-    model = modelbuild.build_model(case.config(), plain, device=device).to(compute)
+    model = _to_loaded_dtype(modelbuild.build_model(case.config(), plain, device=device), compute)
     originals = {name: m for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, Conv1D)}
     skip = _not_converted(model)
     replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=_bnb_config(wl))
@@ -207,6 +207,22 @@ def _build_quantized(case, *, device: str):
     model = _prepare_kbit(model, wl)
     if torch.cuda.is_available() and device == "cuda":
         torch.cuda.empty_cache()
+    return model
+
+
+def _to_loaded_dtype(model, dtype):
+    """The model as ``from_pretrained(dtype=...)`` leaves it: parameters and persistent buffers in
+    ``dtype``; the buffers ``__init__`` computes and never saves (a rotary ``inv_freq``, built in fp32
+    by transformers' rope init) keep their dtype, which ``Module.to(dtype)`` would change."""
+    kept = {}
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buf = module._buffers.get(name)
+            if buf is not None:
+                kept[(module, name)] = buf
+    model.to(dtype)
+    for (module, name), buf in kept.items():
+        module._buffers[name] = buf
     return model
 
 
