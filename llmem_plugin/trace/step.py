@@ -479,20 +479,25 @@ def _forward_loss(loop: _Loop, model: nn.Module, input_ids: torch.Tensor, labels
         return loss / workload.grad_accum_steps
     with autocast_region(loop.autocast_dtype):
         out = _forward(model, input_ids, labels, workload, extra, loop.drop_previous)
+        if workload.runner is Runner.TORCH and not workload.outputs_to_fp32 and not loop.held_through_backward:
+            # The plain loop's `loss = model(...).loss / n` inside its autocast block: the outputs (the logits) go
+            # before the division allocates its result, the unscaled loss right after it, and the
+            # autocast cast cache when the block exits.
+            loss = out["loss"]
+            del out
+            scaled = loss / workload.grad_accum_steps
+            del loss
+            return scaled
     if workload.outputs_to_fp32:  # Fabric: after its forward_context, before the loss
         from llmem_plugin.techniques.loss import fabric_cast
 
         out = fabric_cast(out)
+    loss = out["loss"] / workload.grad_accum_steps
     if loop.held_through_backward:
-        loss = out["loss"] / workload.grad_accum_steps
         loop.drop_previous()  # `outputs = model(...)`: the last step's outputs go by now
         loop.previous.append(out)
-        del out
-        return loss
-    # `model(...).loss / n`: the outputs (the logits) go before the division allocates its result
-    loss = out["loss"]
     del out
-    return loss / workload.grad_accum_steps
+    return loss
 
 
 def _optimizer_step(loop: _Loop) -> None:

@@ -65,15 +65,36 @@ _ADD = _aten.add.Tensor
 _DISPATCH_FRAMES = (os.sep + "_dynamo" + os.sep, os.sep + "torch" + os.sep + "_compile.py")
 
 
-def _from_autograd_engine() -> bool:
-    """Whether the op being dispatched was called by the autograd engine itself
-    (C++: a derivative formula or the engine's gradient accumulation), not by
-    Python code such as a custom ``Function.backward``."""
-    frame = sys._getframe(1)
+def _engine_frame():
+    """The ``_engine_run_backward`` frame when the op being dispatched was called by the autograd
+    engine itself (C++: a derivative formula or the engine's gradient accumulation), not by Python
+    code such as a custom ``Function.backward``; else None."""
+    frame = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename == __file__
                                  or any(part in frame.f_code.co_filename for part in _DISPATCH_FRAMES)):
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_name == "_engine_run_backward"
+    return frame if frame is not None and frame.f_code.co_name == "_engine_run_backward" else None
+
+
+def _held_by_a_caller(old: torch.Tensor, frame) -> bool:
+    """Whether ``old`` is a gradient some ``backward()`` call handed the engine and still holds.
+
+    torch/autograd/graph.py ``_engine_run_backward(t_outputs, grad_tensors, ...)``: its caller keeps
+    ``grad_tensors`` for the whole run. Reentrant checkpointing (torch/utils/checkpoint.py
+    ``CheckpointFunction.backward``) runs its inner backward with the gradients it was given, so where
+    one of them meets a second gradient of the same input (the residual stream inside the block) the
+    engine's buffer does not hold the last reference, and CUDA adds out of place (the stub device).
+    """
+    storage = old.untyped_storage()._cdata
+    while frame is not None:
+        if frame.f_code.co_name == "_engine_run_backward":
+            args = frame.f_locals.get("args") or ()
+            grads = args[0] if args else ()
+            for g in grads if isinstance(grads, (tuple, list)) else ():
+                if isinstance(g, torch.Tensor) and g.untyped_storage()._cdata == storage:
+                    return True
+        frame = frame.f_back
+    return False
 
 
 def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
@@ -105,7 +126,10 @@ def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
     # shares its storage with its base, which the view keeps alive:
     # ``storage().use_count() == 1`` fails and CUDA adds out of place (seen on
     # the stub for Llama-3.2-1B's tied embedding under checkpointing).
-    return not old._is_view() and is_non_overlapping_and_dense(old) and _from_autograd_engine()
+    if old._is_view() or not is_non_overlapping_and_dense(old):
+        return False
+    frame = _engine_frame()
+    return frame is not None and not _held_by_a_caller(old, frame)
 def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
     """The input copy a sum or mean into a wider dtype makes (a bool or int32
     ``sum`` into int64), after its output and freed once the kernel returns.

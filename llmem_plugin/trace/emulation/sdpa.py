@@ -393,10 +393,14 @@ def emulated_sdpa(
         # Last argument first, as the wrapper's pack expansion evaluates under GCC (autocast.py,
         # _Signature.map_tensors): the stub device allocates key's copy before query's.
         low = torch.get_autocast_dtype("cpu")
-        cast = [t.to(low) if t is not None and t.is_floating_point() and t.dtype not in (low, torch.float64) else t
-                for t in (attn_mask, value, key, query)][::-1]
+        mask_c, value_c, key_c, query_c = (
+            t.to(low) if t is not None and t.is_floating_point() and t.dtype not in (low, torch.float64) else t
+            for t in (attn_mask, value, key, query))
         with torch.autocast("cpu", enabled=False):
-            return emulated_sdpa(*cast[:3], cast[3], dropout_p, is_causal, scale, enable_gqa)
+            out = emulated_sdpa(query_c, key_c, value_c, mask_c, dropout_p, is_causal, scale, enable_gqa)
+        # The wrapper's temporaries die in reverse order of construction: query's copy first.
+        del query_c, key_c, value_c, mask_c
+        return out
     _validate_input(query, key, value, attn_mask)
     backend = select_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              compute_capability=target.compute_capability,
@@ -410,7 +414,8 @@ def emulated_sdpa(
         og = query.size(-1)
         padded = [_pad_last_dim(t, 8) for t in (query, key, value)]
         og_scale = scale if scale is not None else 1.0 / math.sqrt(og)  # calculate_scale on the original q
-        out = _FlashAttention.apply(*padded, dropout_p, is_causal, og_scale, target)
+        graph = torch.is_grad_enabled() and any(t.requires_grad for t in padded)
+        out = _FlashAttention.apply(*padded, dropout_p, is_causal, og_scale, target, graph)
         return out[..., :og] if out.size(-1) != og else out  # post_process_flash_output
     if backend == SDPBackend.EFFICIENT_ATTENTION:
         if target.compute_capability not in ((8, 0), (9, 0)):
@@ -638,7 +643,7 @@ class _FlashAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p, is_causal, scale, target):
+    def forward(ctx, q, k, v, dropout_p, is_causal, scale, target, graph=True):
         _notify(ctx, "forward", q, k, v, is_causal)
         q_t, k_t = q.transpose(1, 2), k.transpose(1, 2)
         b, s_q, h, d = q_t.shape
@@ -684,6 +689,10 @@ class _FlashAttention(torch.autograd.Function):
                 del ref
         # Saved in the order the engine releases the C++ node's (Functions.h
         # ScaledDotProductFlashAttentionBackward0::release_variables: inputs, then outputs, each by name).
+        if not graph:
+            # No node keeps them: the op's returned tuple dies, its elements in order (lse, rng_state, unused).
+            del out, lse, rng_state, unused
+            return attention
         ctx.save_for_backward(k, q, v, lse, attention, rng_state, unused)
         ctx.args = (dropout_p, causal, scale, seed, target)
         return attention
@@ -723,7 +732,12 @@ class _FlashAttention(torch.autograd.Function):
         # [F]; then _flash_attention_backward's tuple (softmax_d), contiguous_out, contiguous_grad_out [B]
         # (as the stub device's allocator history shows).
         del dv_e, dk_e, dq_accum, softmax_d, out_c, dout
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None
+        grads = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None
+        # The node's apply unpacks its saved tensors in declaration order and destroys them in reverse
+        # when it returns; that is when they die where checkpointing holds them only through its hooks.
+        del q_t, k_t, v_t, dq, dk, dv
+        del unused, rng_state, out, lse, v, q, k
+        return grads
 
 
 # ----------------------------------------------------------------------------- mem-efficient [U] [B] [KF] [KB]
@@ -866,8 +880,13 @@ class _EfficientAttention(torch.autograd.Function):
         # Reverse order of declaration [B]: delta is the launch lambda's, workspace and grad_out (the
         # .contiguous() copy, declared first) _efficient_attention_backward's.
         del delta, workspace, g_out
-        return (grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), grad_bias,
-                None, None, None, None, None)
+        grads = (grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), grad_bias,
+                 None, None, None, None, None)
+        # The node's apply unpacks its saved tensors in declaration order and destroys them in reverse
+        # when it returns; that is when they die where checkpointing holds them only through its hooks.
+        del q_t, k_t, v_t, out_t, grad_q, grad_k, grad_v, grad_bias
+        del out, lse, v, q, k, bias
+        return grads
 
 
 # ----------------------------------------------------------------------------- cuDNN [U] [B] [C]
@@ -943,7 +962,12 @@ class _CudnnAttention(torch.autograd.Function):
                 dv.copy_(_group_sum(gv, v.size(1)))
                 del gq, gk, gv
         del workspace, d_o
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = dq, dk, dv, None, None, None, None, None, None
+        # The node's apply unpacks its saved tensors in declaration order and destroys them in reverse
+        # when it returns; that is when they die where checkpointing holds them only through its hooks.
+        del dq, dk, dv
+        del seed_t, offset_t, o, stats, v, q, k, bias
+        return grads
 
 
 # ----------------------------------------------------------------------------- math [A]
