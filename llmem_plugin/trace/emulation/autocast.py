@@ -340,7 +340,13 @@ def _make_kernel(name: str, policy: CastPolicy) -> Callable[..., Any]:
                 new_args, new_kwargs = sig.map_tensors(
                     args, kwargs, lambda t: _cached_cast(to_type, t, lower)
                 )
-                return op(*new_args, **new_kwargs)
+                out = op(*new_args, **new_kwargs)
+                # The casts were made last argument first, so C++ destroys them first argument first.
+                for i in range(len(new_args)):
+                    new_args[i] = None
+                for name in list(new_kwargs):
+                    new_kwargs[name] = None
+                return out
 
         return cast_inputs
 

@@ -9,6 +9,8 @@ inside the tracker, looks at every ATen op of the traced step:
   and dropped, so the tracker sees them in the same place.
 * **Scans into another dtype.** ``cumsum``/``cumprod`` copy their input into
   the output's dtype first (:func:`_cum_input_copy`).
+* **Dropout.** CUDA's fused kernel allocates the mask before the output
+  (:func:`_dropout_mask_first`).
 * **Softmax backward.** CUDA's ``_softmax_backward_data`` computes
   ``grad * output`` into a temporary the size of the gradient, after its
   output and freed on return (aten/src/ATen/native/cuda/SoftMax.cu,
@@ -59,6 +61,7 @@ CUBLAS_OPS = frozenset({
     _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default, _aten._addmm_activation.default,
 })
 _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
+_NATIVE_DROPOUT = _aten.native_dropout.default
 _CUM_OPS = frozenset({_aten.cumsum.default, _aten.cumprod.default})
 _ADD = _aten.add.Tensor
 # Frames between a dispatch mode and the code that called the op.
@@ -149,6 +152,35 @@ def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
     return torch.empty_like(x, dtype=out.dtype)
 
 
+def _fused_dropout(args: tuple, kwargs: dict) -> bool:
+    """Whether ``native_dropout(input, p, train)`` runs CUDA's fused kernel (``dropout_cuda``), not a
+    short-cut: train not False, 0 < p < 1, a non-empty input (Dropout.cu ``native_dropout_cuda``)."""
+    x = args[0]
+    p = args[1] if len(args) > 1 else kwargs.get("p")
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    return (isinstance(x, torch.Tensor) and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0
+            and train is not False)
+
+
+def _dropout_mask_first(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's ``dropout_cuda`` (Dropout.cu) allocates the bool mask, then the output; the CPU and fake
+    kernels make the output first (on the stub device the mask comes first)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from llmem_plugin.trace._pause import untracked
+
+    x = args[0]
+    mask = torch.empty_like(x, dtype=torch.bool)
+    out = torch.empty_like(x)
+    if not isinstance(x, FakeTensor):  # a real run: the values, computed untracked
+        with untracked():
+            value, keep = func(*args, **kwargs)
+            out.copy_(value)
+            mask.copy_(keep)
+            del value, keep
+    return out, mask
+
+
 def _cum_input_copy(x: torch.Tensor, out: object) -> torch.Tensor | None:
     """The input copy ``cumsum``/``cumprod`` into another dtype makes (a bool mask's ``cumsum`` into
     int64), after the output and freed once the scan returns.
@@ -183,6 +215,8 @@ class _CudaKernelMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _ADD and _accumulates_in_place(args, kwargs):
             return args[0].add_(args[1])
+        if func is _NATIVE_DROPOUT and _fused_dropout(args, kwargs):
+            return _dropout_mask_first(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in CUBLAS_OPS:
             if self.mark is not None:
