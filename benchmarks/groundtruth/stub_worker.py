@@ -77,6 +77,11 @@ def _config(spec: dict[str, Any]):
     return case_config(spec["model"], spec.get("overrides") or {})
 
 
+# Set by run_rank when the spec asks for the history: recording starts at the first reset (the model
+# built, the cache emptied), before the method wraps it.
+_RECORD_FROM_RESET = {"pending": False}
+
+
 def _reset() -> None:
     import torch
 
@@ -84,6 +89,9 @@ def _reset() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    if _RECORD_FROM_RESET["pending"]:
+        _RECORD_FROM_RESET["pending"] = False
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 
 
 class _Rank:
@@ -211,9 +219,11 @@ _METHODS = {"single": _single, "ddp": _ddp, "fsdp": _fsdp, "tp": _tp, "lowlevel"
 
 
 # ---------------------------------------------------------------- the step
-def _loop(rank: _Rank, wl, *, vocab: int, steps: int, lengths: list[list[int]] | None = None) -> list[dict[str, int]]:
+def _loop(rank: _Rank, wl, *, vocab: int, steps: int, lengths: list[list[int]] | None = None,
+          on_end=None) -> list[dict[str, int]]:
     """``steps`` optimizer steps; ``lengths``: each micro-batch's padded length (variable-length batches,
-    ``llmem_plugin.techniques.varlen.step_lengths``), else ``wl.seq_len``."""
+    ``llmem_plugin.techniques.varlen.step_lengths``), else ``wl.seq_len``. ``on_end`` is called after the
+    last step, while the loop still holds its optimizer."""
     import torch
 
     from llmem_plugin.trace.step import make_optimizer
@@ -250,6 +260,8 @@ def _loop(rank: _Rank, wl, *, vocab: int, steps: int, lengths: list[list[int]] |
         torch.cuda.synchronize()
         out.append({"step": step, "allocated_bytes": torch.cuda.max_memory_allocated(),
                     "reserved_bytes": torch.cuda.max_memory_reserved()})
+    if on_end is not None:
+        on_end()
     return out
 
 
@@ -289,12 +301,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         config = _config(spec)
         wl = _workload(spec)
+        _RECORD_FROM_RESET["pending"] = bool(spec.get("history"))
         rank = _METHODS[spec["method"]](spec, config, wl)
         rank.noop_mode = bool(spec.get("noop_mode"))
-        if spec.get("history"):
+        if _RECORD_FROM_RESET["pending"]:  # a method that never resets: from here
+            _RECORD_FROM_RESET["pending"] = False
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-        steps = _loop(rank, wl, vocab=int(config.vocab_size), steps=spec.get("steps", 2), lengths=_lengths(spec, wl))
-        history = _history() if spec.get("history") else None
+        # The history: from the built model's reset (before the method wraps it) to the end of the last step.
+        history: list | None = [] if spec.get("history") else None
+        steps = _loop(rank, wl, vocab=int(config.vocab_size), steps=spec.get("steps", 2), lengths=_lengths(spec, wl),
+                      on_end=(lambda: history.extend(_history())) if history is not None else None)
     finally:
         dist.destroy_process_group()
     out = {"steps": steps, "segments": _segments(), "seconds": round(time.perf_counter() - t0, 2)}

@@ -238,10 +238,11 @@ def _verdict_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: De
     return snap
 
 
-def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu: Any,
+def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu: Any, after_load: bool = False,
                      **options: Any) -> dict[int, dict[str, Any]]:
     """The predicted snapshot of every rank a distributed method's estimate traces (its full trace, run
     again here), by rank; ranks the method reports as alike to a traced one have none of their own.
+    ``after_load``: as for :func:`snapshot_of` (from the model's placement and wrapping on).
 
     Raises:
         UnsupportedError: The method allocates on side streams (FSDP2's all-gather and reduce-scatter,
@@ -251,6 +252,7 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
     from llmem_plugin.device.gpus import get_gpu
     from llmem_plugin.methods import estimate_method
     from llmem_plugin.methods.base import capture
+    from llmem_plugin.trace.loading import LOADED_MARK
 
     with capture() as cap:
         estimate_method(method, model, workload, layout=layout, gpu=gpu, **options)
@@ -265,8 +267,9 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
                 "workload": workload.to_dict() if hasattr(workload, "to_dict") else dict(workload),
                 "capacity_bytes": target.capacity_bytes,
                 "outside_allocator_bytes": kw["overheads"].outside_allocator_bytes}
+        start = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if after_load else None
         out[kw["rank"]] = _verdict_snapshot(trace, kw["alloc_conf"] or AllocatorConfig(), kw["overheads"],
-                                            target.capacity_bytes, start=None, metadata=meta)
+                                            target.capacity_bytes, start=start, metadata=meta)
     return out
 
 

@@ -2,13 +2,13 @@
 
 The stub harness dumps each case's history from its peak reset on (benchmarks/groundtruth/cuda.py,
 ``LLMEM_STUB_SNAPSHOT_DIR``); the predicted snapshot starts at the same point (``after_load``: the cache
-emptied once the weights are loaded). What is asserted equal: the peaks read back from each history (and
-the row's ``max_memory_allocated``/``max_memory_reserved``), the end state's reserved and allocated bytes,
-and the allocator's actions on a hand-made stream. What is not: the order of every event. The traced
-stream differs from the real one in places (a few percent of the entries: frees the autograd engine makes
-in another order, a mask temporary transformers makes on the device and the trace does not; see
-``benchmarks/results/snapshot-stub-2026-12-07.md``), so the histories are compared through
-``llmem compare``, whose alignment tolerates that.
+emptied once the weights are loaded). Asserted equal: every entry's action, size and stream, in order
+(addresses are not compared: the real ones are the driver's); the peaks read back from each history and
+the row's ``max_memory_allocated``/``max_memory_reserved``; the end state's segments (pool and size) and
+the blocks they hold. One exception, by construction: where an autocast region exits, torch frees the
+casts it cached in the iteration order of a C++ hash map keyed by host pointers (autocast_mode.cpp
+``cached_casts``), which no trace can know; there the run of frees is compared as a set
+(:data:`CACHE_RELEASE_CASES`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,39 @@ CASES = (
 )
 
 
+# Cases where casts the autocast cache held die at the region's exit (checkpointed layers: their casts
+# are kept by no saved tensor), in an order only the host's pointers decide.
+CACHE_RELEASE_CASES = {"tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-every2-sdpa"}
+
+
+def _entries(snap) -> list[tuple[str, int, int]]:
+    return [(e["action"], e["size"], e["stream"]) for e in snap["device_traces"][0] if e["action"] != "snapshot"]
+
+
+def _free_runs_as_sets(entries: list[tuple[str, int, int]]) -> list:
+    """``entries`` with each run of consecutive frees (free_requested, free_completed pairs) in one order."""
+    out, i = [], 0
+    while i < len(entries):
+        j = i
+        while j + 1 < len(entries) and entries[j][0] == "free_requested" and entries[j + 1][0] == "free_completed":
+            j += 2
+        if j > i:
+            out += sorted(entries[i:j][k:k + 2] for k in range(0, j - i, 2))
+            i = j
+        else:
+            out.append(entries[i])
+            i += 1
+    return out
+
+
+def _segments(snap):
+    """The end state: each segment's pool and size, and the blocks in use (pool, size, state), as multisets."""
+    segs = sorted((s["segment_type"], s["total_size"]) for s in snap["segments"])
+    used = sorted((s["segment_type"], b["size"], b["state"]) for s in snap["segments"] for b in s["blocks"]
+                  if b["state"] != "inactive")
+    return segs, used
+
+
 @pytest.fixture(scope="module")
 def real(stub, tmp_path_factory):
     folder = tmp_path_factory.mktemp("snapshots")
@@ -57,10 +90,17 @@ def _end_state(snap) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_the_predicted_history_has_the_stubs_peaks_and_end_state(real, case):
+def test_the_predicted_history_is_the_stubs_event_for_event(real, case):
     row, snap = real[case]
     assert row["status"] == "ok", row["error"]
     pred = snapshot_of(estimate_row(row, keep_trace=True), after_load=True)
+    a, b = _entries(pred), _entries(snap)
+    assert len(a) == len(b) > 1000
+    if case in CACHE_RELEASE_CASES:
+        assert a != b  # the cache's release order differs (else this case needs no exception)
+        a, b = _free_runs_as_sets(a), _free_runs_as_sets(b)
+    assert a == b
+    assert _segments(pred) == _segments(snap)
     hp, hr = read_history(pred), read_history(snap)
     measured = row["measured"]
     assert hr.peak_allocated_bytes == measured["allocated_bytes"]  # the reader, on torch's own history
@@ -158,9 +198,11 @@ def test_the_hf_adapter_writes_the_first_steps_beside_the_prediction(stub, tmp_p
     assert "predicted vs real" in (folder / "compare-rank0.txt").read_text()
 
 
-def test_a_ddp_ranks_predicted_snapshot_has_the_stub_ranks_peaks(stub):
+def test_a_ddp_ranks_predicted_snapshot_is_the_stub_ranks_event_for_event(stub):
     """Rank 0 of DDP on 2 GPUs (torch's fake process group, the real Reducer on the stub), as
-    tests/stub/test_distributed.py runs it: the predicted rank snapshot's history peaks are the stub's."""
+    tests/stub/test_distributed.py runs it, its history recorded from the built model's reset (before
+    DDP wraps it) to the end of the last step: the predicted rank snapshot from the same point has the
+    same allocations and frees, in order, and the stub rank's peaks."""
     import torch
 
     from benchmarks.groundtruth.matrix import case_config
@@ -170,15 +212,19 @@ def test_a_ddp_ranks_predicted_snapshot_has_the_stub_ranks_peaks(stub):
     from llmem_plugin.workload import Workload
 
     config = StubConfig(id="ddp", method="ddp", worker="ddp", world=2, ranks=(0,))
-    got = measure(config, 0, timeout_s=180)
+    got = measure(config, 0, timeout_s=180, extra={"history": True})
     assert "error" not in got, got.get("error")
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)  # off on the stub (its cuDNN computes nothing), as predict() does
     try:
         snaps = method_snapshots("ddp", case_config(config.model, config.overrides), Workload(**config.workload),
-                                 layout=Layout(num_gpus=2), gpu="h100-sxm", **config.estimator_options)
+                                 layout=Layout(num_gpus=2), gpu="h100-sxm", after_load=True,
+                                 **config.estimator_options)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+    sign = {"alloc": 1, "free_requested": -1}
+    pred = [[sign[e["action"]], e["size"], e["stream"]] for e in snaps[0]["device_traces"][0] if e["action"] in sign]
+    assert len(pred) > 1000 and pred == got["history"]
     h = read_history(snaps[0])
     assert h.peak_allocated_bytes == max(s["allocated_bytes"] for s in got["steps"])
     assert h.peak_reserved_bytes == max(s["reserved_bytes"] for s in got["steps"])
