@@ -675,6 +675,14 @@ def _dequantized(layer: Linear4bitStandIn) -> torch.Tensor:
     return bnbf.dequantize_4bit(layer.weight, state)
 
 
+def _cublas_call() -> None:
+    """The emulated kernel calls cuBLAS here, after its output: a thread's first call creates the
+    handle's workspace there (:func:`llmem_plugin.trace.emulation.kernels.cublas_call`)."""
+    from llmem_plugin.trace.emulation.kernels import cublas_call
+
+    cublas_call()
+
+
 def _fill(out: torch.Tensor, compute) -> None:
     """On real tensors, copy the untracked ``compute()`` into ``out``."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -720,9 +728,8 @@ class _MatMul4Bit(torch.autograd.Function):
         if layer.double_quant:
             nested = [torch.empty(blocks, dtype=torch.float32, device=a.device) for _ in range(2)]
         w = torch.empty((n, k), dtype=a.dtype, device=a.device)
-        # F.linear itself (values filled below): its cuBLAS call is the thread's first where no matmul
-        # came before, and the handle's workspace goes right after this output (emulation/kernels.py).
-        out = torch.nn.functional.linear(a, w, bias)
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+        _cublas_call()  # F.linear's
         _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), bias))
         del w, nested
         return out
@@ -734,7 +741,8 @@ class _MatMul4Bit(torch.autograd.Function):
         layer = ctx.layer
         w = _dequantize_4bit_to(layer, grad_output.dtype, grad_output.device)
         g = grad_output.contiguous()  # matmul folds a contiguous (.., N) grad into one mm
-        grad_a = torch.matmul(g, w)  # a cuBLAS matmul, as above; values filled below
+        grad_a = torch.empty((*g.shape[:-1], layer.in_features), dtype=g.dtype, device=g.device)
+        _cublas_call()  # the matmul's
         _fill(grad_a, lambda: torch.matmul(g, _dequantized(layer).to(g.dtype)))
         del w
         return grad_a, None
@@ -760,7 +768,8 @@ def _dequantize_then_linear(a: torch.Tensor, layer: Linear4bitStandIn) -> torch.
     ``F.linear(A, F.dequantize_4bit(B, state).to(A.dtype).t(), bias)``; the
     weight is freed once ``F.linear`` returns."""
     w = _dequantize_4bit_to(layer, a.dtype, a.device)
-    out = torch.nn.functional.linear(a, w, layer.bias)  # the cuBLAS call (_MatMul4Bit.forward); values below
+    out = torch.empty((*a.shape[:-1], layer.out_features), dtype=a.dtype, device=a.device)
+    _cublas_call()  # F.linear's
     _fill(out, lambda: torch.nn.functional.linear(a, _dequantized(layer).to(a.dtype), layer.bias))
     del w
     return out

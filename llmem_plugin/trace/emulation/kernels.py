@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmem_plugin.trace.emulation.reduce import MAX_THREADS_PER_SM, REDUCE_OPS, acc_bytes, global_reduce_bytes
 
-__all__ = ["CUBLAS_OPS", "cuda_kernels"]
+__all__ = ["CUBLAS_OPS", "cublas_call", "cuda_kernels"]
 
 _aten = torch.ops.aten
 # ATen ops whose CUDA kernels call cuBLAS (aten/src/ATen/native/cuda/Blas.cpp):
@@ -249,6 +249,17 @@ class _CudaKernelMode(TorchDispatchMode):
             buf = torch.empty(buffer, dtype=torch.uint8, device=x.device)
             sem = torch.empty(semaphores, dtype=torch.uint8, device=x.device)
             del sem, buf
+
+
+def cublas_call() -> None:
+    """Mark a cuBLAS call that an emulated kernel makes without dispatching a matmul (bitsandbytes'
+    dequantize-then-``F.linear`` fallback, whose output the emulation allocates itself): the active
+    mode marks the spot as it does after a CUBLAS_OPS op. Outside :func:`cuda_kernels`, nothing."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, _CudaKernelMode) and mode.mark is not None:
+            mode.mark("cublas")
 
 
 @contextlib.contextmanager
