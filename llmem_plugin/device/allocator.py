@@ -51,6 +51,7 @@ _SEGMENT_GAP = 1 << 30
 # Where top-down large segments start (AllocatorConfig.large_segments_descend): far above the
 # bottom-up ones, so the two never meet.
 _DESCENDING_TOP = 1 << 62
+_ADDRESS_SPACE = 1 << 46  # 64 TiB of simulated addresses per stream's allocator (address_space=)
 
 
 class SimulatedOOM(Exception):
@@ -208,6 +209,8 @@ class CachingAllocator:
         device_memory_bytes: Total device memory (``totalGlobalMem``), needed
             with ``memory_fraction``; it also sizes expandable segments'
             address space (1 1/8 of it; about 16 TiB when None).
+        address_space: Which range of simulated addresses the segments take (0 by default; one per
+            stream where each stream's pool is replayed by its own allocator).
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class CachingAllocator:
         capacity_bytes: int | None = None,
         memory_fraction: float | None = None,
         device_memory_bytes: int | None = None,
+        address_space: int = 0,
     ) -> None:
         self.config = config or AllocatorConfig()
         if self.config.backend != "native":
@@ -241,9 +245,11 @@ class CachingAllocator:
         self.large = _Pool(small=False)
         self.stats = _Stats()
         self._live: dict[int, _Block] = {}
-        self._next_base = _SEGMENT_GAP
+        # Simulated addresses; allocators that stand for one device's streams take apart ranges
+        # (address_space = the stream's number), so their snapshot entries never share an address.
+        self._next_base = _SEGMENT_GAP + address_space * _ADDRESS_SPACE
         # With config.large_segments_descend, new large segments are placed top-down from here.
-        self._next_top = _DESCENDING_TOP
+        self._next_top = _DESCENDING_TOP - address_space * _ADDRESS_SPACE
         # When a list: every action, as ``(action, address, bytes, block bytes)`` in the order
         # torch's _record_memory_history records them (TraceEntry::Action); block bytes differ from
         # bytes for an allocation (its block, rounded and perhaps unsplit) and are bytes otherwise.

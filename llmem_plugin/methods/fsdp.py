@@ -20,8 +20,9 @@ Known limitations:
       references run the same on CPU. Equal to the stub CUDA device byte for
       byte on 2 and 8 ranks (benchmarks/results/stub-distributed-2026-11-25.md).
     * The few hundred bytes of metadata CUDA's ``split_with_sizes_copy``
-      (the all-gather copy-out) copies to the device are not allocated;
-      ``_chunk_cat``'s (the reduce-scatter copy-in) are.
+      (the all-gather copy-out) and ``_chunk_cat`` (the reduce-scatter
+      copy-in) copy to the device are allocated where the kernels do
+      (:mod:`llmem_plugin.trace.emulation.kernels`, and below).
     * ``cpu_offload``: the host-to-device copy of each shard before its
       all-gather and the device-to-host copy of each sharded gradient are
       emulated (a CPU trace has no second device); the optimizer step runs

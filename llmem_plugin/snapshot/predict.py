@@ -137,9 +137,62 @@ def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[i
     return alloc, alloc.history or [], owner, {addr: key for key, addr in handles.items()}
 
 
+def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Sequence[int],
+                          stream_of: dict[int, int], config: AllocatorConfig, *, start: int | None = None
+                          ) -> tuple[dict[int, CachingAllocator], list[tuple[int, str, int, int, int]], list[int],
+                                     dict[int, int]]:
+    """:func:`replay_history` for a rank that allocates on side streams: one allocator per stream
+    (:mod:`llmem_plugin.methods._streams`: each stream's pool serves only its own requests), each in its
+    own range of addresses; a free goes to its allocation's stream. No capacity: the per-stream replay
+    has none (:func:`method_snapshots` refuses a rank that does not fit).
+
+    Returns:
+        The allocators by stream, the merged history as ``(stream, action, address, bytes, block
+        bytes)``, the event each entry came from, and the key of every block live at the end, by address.
+    """
+    allocators: dict[int, CachingAllocator] = {}
+    history: list[tuple[int, str, int, int, int]] = []
+    owner: list[int] = []
+    handles: dict[int, tuple[int, int]] = {}
+    recording = start is None
+
+    def allocator(stream: int) -> CachingAllocator:
+        alloc = allocators.get(stream)
+        if alloc is None:
+            alloc = allocators[stream] = CachingAllocator(config, address_space=stream)
+            alloc.history = [] if recording else None
+        return alloc
+
+    allocator(0)
+    for i, (sign, key, nbytes) in enumerate(events):
+        if i == start:
+            recording = True
+            for alloc in allocators.values():
+                alloc.empty_cache()
+                alloc.history = []
+        if sign > 0:
+            if nbytes <= 0:  # zero-byte tensors get a null pointer, no block
+                continue
+            stream = stream_of.get(key, 0)
+            alloc = allocator(stream)
+            handles[key] = (stream, alloc.malloc(requested[i]))
+        else:
+            held = handles.pop(key, None)
+            if held is None:
+                continue
+            stream, alloc = held[0], allocators[held[0]]
+            alloc.free(held[1])
+        if recording:
+            history.extend((stream, *entry) for entry in alloc.history)
+            owner.extend([i] * len(alloc.history))
+            alloc.history.clear()
+    return allocators, history, owner, {addr: key for key, (_, addr) in handles.items()}
+
+
 def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, *,
                        capacity_bytes: int | None = None, device_memory_bytes: int | None = None,
-                       start: int | None = None, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+                       start: int | None = None, metadata: dict[str, Any] | None = None,
+                       stream_of: dict[int, int] | None = None) -> dict[str, Any]:
     """The predicted snapshot of ``trace``'s step, as ``torch.cuda.memory._snapshot()`` returns one.
 
     Args:
@@ -153,6 +206,8 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
         start: Trace event before which the cache is emptied and the history
             starts (see :func:`replay_history`); None: the whole history.
         metadata: Added under the snapshot's ``llmem`` key (what was predicted, for whom).
+        stream_of: Trace record -> side stream of allocations made off the default stream (0), for a
+            rank whose wrapper allocates on side streams (:func:`replay_stream_history`; no capacity).
 
     Returns:
         ``{"segments", "device_traces", "allocator_settings", "external_annotations", "llmem"}``.
@@ -162,26 +217,28 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
     requested = [(recs.requested[key] if recs is not None and 0 <= key < len(recs) else nbytes) if sign > 0 else 0
                  for sign, key, nbytes in events]
     begin = None if start is None else trace_positions(events)[start]  # workspaces inserted before it
-    alloc, history, owner, live = replay_history(events, requested, config, capacity_bytes=capacity_bytes,
-                                                 device_memory_bytes=device_memory_bytes, start=begin)
+    if stream_of:
+        allocators, history, owner, live = replay_stream_history(events, requested, stream_of, config, start=begin)
+    else:
+        alloc, single, owner, live = replay_history(events, requested, config, capacity_bytes=capacity_bytes,
+                                                    device_memory_bytes=device_memory_bytes, start=begin)
+        allocators, history = {0: alloc}, [(0, *entry) for entry in single]
     frames = _Frames(trace)
     entries = []
     of, tensor_actions = frames.of, ("alloc", "free_requested", "free_completed", "oom")
-    for n, ((action, addr, size, block), i) in enumerate(zip(history, owner, strict=True)):
+    for n, ((stream, action, addr, size, block), i) in enumerate(zip(history, owner, strict=True)):
         # torch's entries also carry compile_context and user_metadata (torch.compile's and the user's
         # annotations); none is made here, and readers treat them as optional.
+        entry = {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": n, "pool_id": _POOL_ID,
+                 "frames": []}
         if action in tensor_actions:
-            fr, category = of(events[i][1], phases[i])
-            entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
-                     "frames": fr, "category": category}
+            entry["frames"], entry["category"] = of(events[i][1], phases[i])
             if action == "alloc" and block != block_bytes(size):
                 entry["block_size"] = block  # a block kept whole (not split): more than the rounded request
-        else:
-            entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": n, "pool_id": _POOL_ID,
-                     "frames": []}
         if action == "oom":  # TraceEntry::OOM holds the device's free bytes instead of an address
             del entry["addr"]
-            entry["device_free"] = (capacity_bytes - alloc.stats.reserved) if capacity_bytes is not None else 0
+            reserved = allocators[stream].stats.reserved
+            entry["device_free"] = (capacity_bytes - reserved) if capacity_bytes is not None else 0
         entries.append(entry)
     if entries and not any(e.get("category") == UNKNOWN for e in entries):
         # MemoryViz needs 'unknown' among the categories once there are any; torch logs a
@@ -189,7 +246,8 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
         entries.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "time_us": len(entries),
                         "frames": [], "category": UNKNOWN})
     return {
-        "segments": _segments(alloc, live, frames, phases[-1] if phases else "setup"),
+        "segments": [seg for stream, alloc in sorted(allocators.items())
+                     for seg in _segments(alloc, live, frames, phases[-1] if phases else "setup", stream)],
         "device_traces": [entries],
         "allocator_settings": _settings(config),
         "external_annotations": _phase_annotations(phases, owner),
@@ -244,9 +302,14 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
     again here), by rank; ranks the method reports as alike to a traced one have none of their own.
     ``after_load``: as for :func:`snapshot_of` (from the model's placement and wrapping on).
 
+    A rank whose wrapper allocates on side streams (FSDP2's all-gather and reduce-scatter streams,
+    LowLevelZero's communication stream) gets one device trace whose entries and segments carry their
+    stream (1, 2, ... in the order the wrapper first used them), each stream's pool replayed by its own
+    allocator as the estimate replays it.
+
     Raises:
-        UnsupportedError: The method allocates on side streams (FSDP2's all-gather and reduce-scatter,
-            LowLevelZero's communication stream): one device trace per stream is not written yet.
+        UnsupportedError: A rank with side streams that does not fit: where the allocator would free
+            every stream's cache and retry, then run out, is not replayed per stream.
         ConfigError, UnsupportedError: As :func:`llmem_plugin.methods.estimate_method`.
     """
     from llmem_plugin.device.gpus import get_gpu
@@ -258,18 +321,25 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
         estimate_method(method, model, workload, layout=layout, gpu=gpu, **options)
     out = {}
     for trace, kw in cap.ranks:
-        if kw["streams"]:
-            raise UnsupportedError(f"--snapshot with --method {method}: its ranks allocate on side streams, and "
-                                   "a snapshot per stream is not written yet. HINT: use ddp, zero1/2/3 or tp, or "
-                                   "drop --snapshot")
         target = kw["gpu"] if not isinstance(kw["gpu"], str) else get_gpu(kw["gpu"])
         meta = {"method": method, "rank": kw["rank"], "num_gpus": layout.num_gpus, "gpu": target.name,
                 "workload": workload.to_dict() if hasattr(workload, "to_dict") else dict(workload),
                 "capacity_bytes": target.capacity_bytes,
                 "outside_allocator_bytes": kw["overheads"].outside_allocator_bytes}
         start = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if after_load else None
-        out[kw["rank"]] = _verdict_snapshot(trace, kw["alloc_conf"] or AllocatorConfig(), kw["overheads"],
-                                            target.capacity_bytes, start=start, metadata=meta)
+        config = kw["alloc_conf"] or AllocatorConfig()
+        if not kw["streams"]:
+            out[kw["rank"]] = _verdict_snapshot(trace, config, kw["overheads"], target.capacity_bytes,
+                                                start=start, metadata=meta)
+            continue
+        snap = predicted_snapshot(trace, config, kw["overheads"], start=start, metadata=meta,
+                                  stream_of=dict(kw["streams"]))
+        if _peak_reserved(snap) + kw["overheads"].outside_allocator_bytes > target.capacity_bytes:
+            raise UnsupportedError(
+                f"--snapshot with --method {method}: rank {kw['rank']} does not fit on {target.name}, and where "
+                "the allocator of a rank with side streams runs out is not replayed per stream. HINT: write the "
+                "snapshot of a layout that fits (more GPUs, a smaller micro-batch), or use ddp, zero1/2/3 or tp")
+        out[kw["rank"]] = snap
     return out
 
 
@@ -305,7 +375,8 @@ def _phase_annotations(phases: list[str], owner: list[int]) -> list[dict[str, An
     return out
 
 
-def _segments(alloc: CachingAllocator, live: dict[int, int], frames: _Frames, phase: str) -> list[dict[str, Any]]:
+def _segments(alloc: CachingAllocator, live: dict[int, int], frames: _Frames, phase: str,
+              stream: int = 0) -> list[dict[str, Any]]:
     """Every segment held at the end, its blocks in address order (the end state MemoryViz replays back from).
 
     An expandable segment is reported as each run of mapped pages, as torch's snapshot does."""
@@ -316,14 +387,14 @@ def _segments(alloc: CachingAllocator, live: dict[int, int], frames: _Frames, ph
             if b.mapped:
                 run.append(b)
             elif run:
-                out.append(_segment(run, live, frames, phase))
+                out.append(_segment(run, live, frames, phase, stream))
                 run = []
         if run:
-            out.append(_segment(run, live, frames, phase))
+            out.append(_segment(run, live, frames, phase, stream))
     return out
 
 
-def _segment(blocks: list[Any], live: dict[int, int], frames: _Frames, phase: str) -> dict[str, Any]:
+def _segment(blocks: list[Any], live: dict[int, int], frames: _Frames, phase: str, stream: int) -> dict[str, Any]:
     out_blocks = []
     for b in blocks:
         block: dict[str, Any] = {"address": b.addr, "size": b.size, "requested_size": b.requested,
@@ -336,7 +407,7 @@ def _segment(blocks: list[Any], live: dict[int, int], frames: _Frames, phase: st
     return {
         "device": 0, "address": first.addr, "total_size": sum(b.size for b in blocks),
         "allocated_size": sum(b.size for b in active), "active_size": sum(b.size for b in active),
-        "requested_size": sum(b.requested for b in active), "stream": 0,
+        "requested_size": sum(b.requested for b in active), "stream": stream,
         "segment_type": "small" if first.small else "large", "segment_pool_id": _POOL_ID,
         "is_expandable": first.segment.expandable, "frames": [], "blocks": out_blocks,
     }

@@ -137,15 +137,30 @@ def test_a_ddp_ranks_snapshot_has_the_ranks_peaks():
     assert snaps[rank.rank]["llmem"]["method"] == "ddp"
 
 
-def test_a_method_on_side_streams_is_refused_in_one_line():
-    from llmem_plugin.errors import UnsupportedError
-    from llmem_plugin.methods import Layout
+def test_an_fsdp2_ranks_snapshot_has_a_trace_entry_per_stream_and_the_ranks_peaks():
+    """FSDP2 allocates its all-gather and reduce-scatter buffers on side streams; the rank's one device
+    trace carries each entry's stream, each stream's segments lie apart, and the history's peaks are the
+    estimate's (which sums the streams' pools event by event, methods/_streams.py)."""
+    import torch.cuda._memory_viz as memory_viz
+
+    from llmem_plugin.methods import Layout, estimate_method
     from llmem_plugin.snapshot.predict import method_snapshots
     from llmem_plugin.workload import Workload
 
-    with pytest.raises(UnsupportedError, match="side streams"):
-        method_snapshots("fsdp", TINY, Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed"),
-                         layout=Layout(num_gpus=2), gpu="h100-sxm")
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed")
+    snaps = method_snapshots("fsdp", TINY, wl, layout=Layout(num_gpus=2), gpu="h100-sxm")
+    (rank,) = estimate_method("fsdp", TINY, wl, layout=Layout(num_gpus=2), gpu="h100-sxm").ranks
+    snap = snaps[rank.rank]
+    h = read_history(snap)
+    assert (h.peak_allocated_bytes, h.peak_reserved_bytes) == (rank.peak_allocated_bytes, rank.peak_reserved_bytes)
+    entries = snap["device_traces"][0]
+    streams = {e["stream"] for e in entries}
+    assert streams == {0, 1, 2} and {s["stream"] for s in snap["segments"]} <= streams
+    # A segment's blocks belong to its stream's allocations only.
+    stream_at = {e["addr"]: e["stream"] for e in entries if e["action"] == "alloc"}
+    for seg in snap["segments"]:
+        assert all(stream_at.get(b["address"], seg["stream"]) == seg["stream"] for b in seg["blocks"])
+    memory_viz.segsum(snap)  # torch's own reader: free + allocated == reserved
 
 
 def test_blocks_kept_whole_count_at_their_size():

@@ -198,33 +198,44 @@ def test_the_hf_adapter_writes_the_first_steps_beside_the_prediction(stub, tmp_p
     assert "predicted vs real" in (folder / "compare-rank0.txt").read_text()
 
 
-def test_a_ddp_ranks_predicted_snapshot_is_the_stub_ranks_event_for_event(stub):
-    """Rank 0 of DDP on 2 GPUs (torch's fake process group, the real Reducer on the stub), as
-    tests/stub/test_distributed.py runs it, its history recorded from the built model's reset (before
-    DDP wraps it) to the end of the last step: the predicted rank snapshot from the same point has the
-    same allocations and frees, in order, and the stub rank's peaks."""
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+def test_a_ranks_predicted_snapshot_is_the_stub_ranks_event_for_event(stub, method):
+    """Rank 0 of DDP and of FSDP2 on 2 GPUs (torch's fake process group; the real Reducer, and FSDP2 with
+    its all-gather and reduce-scatter streams, on the stub), as tests/stub/test_distributed.py runs them,
+    the history recorded from the built model's reset (before the method wraps it) to the end of the last
+    step: the predicted rank snapshot from the same point has the same allocations and frees, in order,
+    on the same streams (numbered by first use: torch's are CUDA stream handles), and the stub rank's
+    peaks."""
     import torch
 
     from benchmarks.groundtruth.matrix import case_config
-    from benchmarks.groundtruth.stub_distributed import StubConfig, measure
+    from benchmarks.groundtruth.stub_distributed import CONFIGS, measure
     from llmem_plugin.methods import Layout
     from llmem_plugin.snapshot.predict import method_snapshots
     from llmem_plugin.workload import Workload
 
-    config = StubConfig(id="ddp", method="ddp", worker="ddp", world=2, ranks=(0,))
+    config = next(c for c in CONFIGS if c.id == f"{method}-w2-tiny")
     got = measure(config, 0, timeout_s=180, extra={"history": True})
     assert "error" not in got, got.get("error")
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)  # off on the stub (its cuDNN computes nothing), as predict() does
     try:
-        snaps = method_snapshots("ddp", case_config(config.model, config.overrides), Workload(**config.workload),
+        snaps = method_snapshots(method, case_config(config.model, config.overrides), Workload(**config.workload),
                                  layout=Layout(num_gpus=2), gpu="h100-sxm", after_load=True,
                                  **config.estimator_options)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
     sign = {"alloc": 1, "free_requested": -1}
-    pred = [[sign[e["action"]], e["size"], e["stream"]] for e in snaps[0]["device_traces"][0] if e["action"] in sign]
-    assert len(pred) > 1000 and pred == got["history"]
+    pred = _by_first_use([[sign[e["action"]], e["size"], e["stream"]] for e in snaps[0]["device_traces"][0]
+                          if e["action"] in sign])
+    assert len(pred) > 1000 and pred == _by_first_use(got["history"])
+    assert len({stream for _, _, stream in pred}) == (3 if method == "fsdp" else 1)
     h = read_history(snaps[0])
     assert h.peak_allocated_bytes == max(s["allocated_bytes"] for s in got["steps"])
     assert h.peak_reserved_bytes == max(s["reserved_bytes"] for s in got["steps"])
+
+
+def _by_first_use(events: list) -> list[tuple[int, int, int]]:
+    """``(sign, bytes, stream)`` with the streams numbered 0, 1, ... in the order they are first used."""
+    order: dict[int, int] = {}
+    return [(sign, size, order.setdefault(stream, len(order))) for sign, size, stream in events]

@@ -9,6 +9,9 @@ inside the tracker, looks at every ATen op of the traced step:
   and dropped, so the tracker sees them in the same place.
 * **Scans into another dtype.** ``cumsum``/``cumprod`` copy their input into
   the output's dtype first (:func:`_cum_input_copy`).
+* **Split copies.** ``split_with_sizes_copy.out`` (FSDP2's all-gather
+  copy-out) packs its launch metadata into a device tensor
+  (:func:`_split_copy_metadata_numel`).
 * **Dropout.** CUDA's fused kernel allocates the mask before the output
   (:func:`_dropout_mask_first`).
 * **Softmax backward.** CUDA's ``_softmax_backward_data`` computes
@@ -41,6 +44,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -62,6 +66,9 @@ CUBLAS_OPS = frozenset({
 })
 _SOFTMAX_BACKWARD = _aten._softmax_backward_data.default
 _NATIVE_DROPOUT = _aten.native_dropout.default
+_SPLIT_WITH_SIZES_COPY_OUT = _aten.split_with_sizes_copy.out
+# aten/src/ATen/native/cuda/TensorShape.cu: BLOCK_SIZE (128) threads of BYTES_PER_THREAD (16) bytes.
+_SPLIT_BLOCK_BYTES = 128 * 16
 _CUM_OPS = frozenset({_aten.cumsum.default, _aten.cumprod.default})
 _ADD = _aten.add.Tensor
 # Frames between a dispatch mode and the code that called the op.
@@ -152,6 +159,46 @@ def _promoted_input(x: torch.Tensor, out: object) -> torch.Tensor | None:
     return torch.empty_like(x, dtype=out.dtype)
 
 
+def _is_fsdp_split_copy(func) -> bool:
+    """FSDP2's ``fsdp::split_with_sizes_copy`` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+    a custom op over ``split_with_sizes_copy.out`` with its arguments, seen here in place of the aten op."""
+    return getattr(func, "namespace", None) == "fsdp" and func.__name__.startswith("split_with_sizes_copy")
+
+
+def _split_copy_metadata_numel(args: tuple, kwargs: dict, num_sms: int, max_threads_per_sm: int) -> int:
+    """int64 elements of the metadata CUDA's ``split_with_sizes_copy.out`` copies to the device, or 0 where
+    it takes the composite path (FSDP2's all-gather copy-out, a few hundred bytes per group).
+
+    aten/src/ATen/native/cuda/TensorShape.cu ``split_with_sizes_copy_out_cuda``: when the input and every
+    output are non-overlapping and dense and of one dtype, ``..._contiguous_no_cast`` packs five int64
+    vectors (``pack_vecs``): the n destination and n source addresses, the n splits' chunk bytes, one
+    split index per thread block, and n + 1 block cumsums. Each split takes ``ceil(chunk bytes /
+    (2048 * iters_per_chunk))`` blocks, ``iters_per_chunk`` regulating the grid to at most
+    ``num_sms * max_threads_per_sm / 128 * 2`` blocks.
+    """
+    x = args[0]
+    sizes = list(args[1] if len(args) > 1 else kwargs["split_sizes"])
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    out = kwargs.get("out") or (args[3] if len(args) > 3 else None)
+    if not isinstance(x, torch.Tensor) or not out or x.dim() == 0:
+        return 0
+    if not is_non_overlapping_and_dense(x) or any(
+            not is_non_overlapping_and_dense(t) or t.dtype != x.dtype for t in out):
+        return 0
+    dim = dim % x.dim()
+    num_chunks = 1
+    for d in range(dim):
+        num_chunks *= x.size(d)
+    chunk_bytes = [n * x.stride(dim) * x.element_size() for n in sizes]
+    num_blocks = sum(-(-c // _SPLIT_BLOCK_BYTES) for c in chunk_bytes)
+    max_blocks = int(num_sms * max_threads_per_sm / 128 * 2.0)
+    iter_factor = -(-num_blocks * num_chunks // max_blocks)
+    chunks_per_block = min(math.ceil(math.sqrt(iter_factor)), num_chunks)
+    iters_per_chunk = -(-iter_factor // max(chunks_per_block, 1))
+    blocks = sum(-(-c // (_SPLIT_BLOCK_BYTES * iters_per_chunk)) for c in chunk_bytes)
+    return 4 * len(sizes) + 1 + blocks
+
+
 def _fused_dropout(args: tuple, kwargs: dict) -> bool:
     """Whether ``native_dropout(input, p, train)`` runs CUDA's fused kernel (``dropout_cuda``), not a
     short-cut: train not False, 0 < p < 1, a non-empty input (Dropout.cu ``native_dropout_cuda``)."""
@@ -225,6 +272,11 @@ class _CudaKernelMode(TorchDispatchMode):
             copy = _promoted_input(args[0], out)
             self._reduce_scratch(args, kwargs)
             del copy
+        elif func is _SPLIT_WITH_SIZES_COPY_OUT or _is_fsdp_split_copy(func):
+            numel = _split_copy_metadata_numel(args, kwargs, self.num_sms, self.max_threads_per_sm)
+            if numel:  # pack_vecs: one int64 device tensor, freed when the launch returns
+                metadata = torch.empty(numel, dtype=torch.int64, device=args[0].device)
+                del metadata
         elif func in _CUM_OPS:
             copy = _cum_input_copy(args[0], out)
             del copy
