@@ -317,6 +317,9 @@ class Check:
     # The process' host RAM within this machine's (Estimate.host_fits); a job
     # whose host memory does not fit is stopped like a GPU misfit.
     host_fits: bool = True
+    # A distributed check made with keep_trace: the arguments of its method's estimate, which
+    # predicted_snapshot runs again for the ranks' histories (method_snapshots).
+    method_call: dict[str, Any] | None = None
 
     def message(self) -> str:
         """One line: what was estimated against what the GPU holds."""
@@ -342,7 +345,8 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
     adapters, custom heads and the model's own settings are what is
     estimated; ``workload.lora`` must be None when ``live`` already holds
     its LoRA adapters. ``keep_trace``: a single-GPU estimate keeps its trace
-    (``Estimate.trace``), for the predicted snapshot.
+    (``Estimate.trace``), a distributed one the arguments to trace its ranks
+    again (``Check.method_call``), for the predicted snapshot.
     """
     from llmem_plugin.estimate import estimate
     from llmem_plugin.methods import estimate_method
@@ -367,19 +371,42 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
         pred = dataclasses.replace(Prediction.of(est, workload=workload, model=live.name,
                                                  config=live.config_dict()), gpu=gpu.name)
         fits = all(r.fits for r in est.ranks) and est.worst.device_total_bytes <= limit
+        if keep_trace:
+            call = {"method": method, "model": live.module, "workload": workload, "layout": layout, "gpu": target,
+                    **(options or {})}
+            return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
+                         report=report_text(est, gpu=target), host_fits=host_fits, method_call=call)
     return Check(fits=fits, limit_bytes=limit, capacity_bytes=capacity, prediction=pred, estimate=est,
                  report=report_text(est, gpu=target), host_fits=host_fits)
 
 
-def predicted_snapshot(check: Check | None) -> dict[str, Any] | None:
-    """The predicted snapshot of a single-GPU check made with ``keep_trace`` (None otherwise), its
-    history from the loaded weights on, as the adapters record the real one."""
-    est = check.estimate if check is not None else None
-    if getattr(est, "trace", None) is None:
-        return None
-    from llmem_plugin.snapshot.predict import snapshot_of
+def predicted_snapshot(check: Check | None, *, rank: int = 0) -> dict[str, Any] | None:
+    """The predicted snapshot of a check made with ``keep_trace`` (None otherwise), its history from the
+    loaded weights on, as the adapters record the real one.
 
-    return snapshot_of(est, after_load=True)
+    A distributed check's method is traced again for its ranks' histories
+    (:func:`llmem_plugin.snapshot.predict.method_snapshots`): ``rank``'s own where it was traced, the one
+    traced rank's where the method traces one for all (its ranks are alike), else None (the method traces
+    several distinct ranks, and which one this rank is alike to is not reported).
+    """
+    if check is None:
+        return None
+    if getattr(check.estimate, "trace", None) is not None:
+        from llmem_plugin.snapshot.predict import snapshot_of
+
+        return snapshot_of(check.estimate, after_load=True)
+    if check.method_call is None:
+        return None
+    from llmem_plugin.methods._fakepg import real_process_groups_set_aside
+    from llmem_plugin.snapshot.predict import method_snapshots
+
+    call = dict(check.method_call)
+    with real_process_groups_set_aside():  # the job's groups, hidden while the fake one traces
+        snaps = method_snapshots(call.pop("method"), call.pop("model"), call.pop("workload"), after_load=True,
+                                 **call)
+    if rank in snaps:
+        return snaps[rank]
+    return next(iter(snaps.values())) if len(snaps) == 1 else None
 
 
 def _live_adapters(live: LiveModel, workload: Workload) -> Workload:

@@ -6,8 +6,9 @@ every allocation), the HF callback and the Lightning strategy
 * turn on ``torch.cuda.memory._record_memory_history()`` before the first
   forward and, after the steps they compare, dump the real snapshot and stop
   recording;
-* write the predicted snapshot of the same job beside it (single-GPU jobs:
-  :func:`llmem_plugin.snapshot.predict.snapshot_of`) and the comparison of the
+* write the predicted snapshot of the same job beside it
+  (:func:`llmem_plugin.snapshot.predict.snapshot_of`; a distributed method's:
+  this rank's, :func:`llmem_plugin.snapshot.predict.method_snapshots`) and the comparison of the
   two (:func:`llmem_plugin.snapshot.compare.compare_snapshots`), as text and JSON;
 * on ``torch.OutOfMemoryError`` during training, dump what the allocator
   held (with the history, if still recording), write the predicted snapshot
@@ -18,9 +19,14 @@ Files, in ``snapshot_dir``: ``real-rank{R}.pickle``, ``predicted-rank{R}.pickle`
 ``compare-rank{R}.txt`` and ``compare-rank{R}.json`` (``oom-`` before each
 name when written on an out-of-memory error).
 
+Under a distributed method the predicted snapshot is this rank's
+(:func:`llmem_plugin.integrations._common.predicted_snapshot`: the method traced
+again, its ranks' histories).
+
 Known limitations:
-    * Distributed methods get the real snapshot and no predicted one: per-rank
-      predicted snapshots are not written yet.
+    * Where the method traces several distinct ranks and this one is not
+      among them, no predicted snapshot is written (the real one is): which
+      traced rank it is alike to is not reported.
 """
 
 from __future__ import annotations
@@ -143,7 +149,8 @@ class SnapshotRecorder:
         text_path = self.folder / f"{prefix}compare-rank{self.rank}.txt"
         predicted = self.predicted()
         if predicted is None:
-            text_path.write_text("no predicted snapshot: it is written for single-GPU jobs only\n", encoding="utf-8")
+            text_path.write_text(f"no predicted snapshot of rank {self.rank}: the estimate did not run, or its "
+                                 "method traces several distinct ranks and not this one\n", encoding="utf-8")
             return text_path
         pred_path = write_snapshot(predicted, self.folder / f"{prefix}predicted-rank{self.rank}.pickle")
         self.written.append(pred_path)

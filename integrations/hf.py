@@ -428,8 +428,13 @@ class LLMemCallback(TrainerCallback):
         caught on their way out (written down, then raised on unchanged)."""
         from llmem_plugin.integrations._snapshots import SnapshotRecorder
 
-        self.recorder = SnapshotRecorder(self.snapshot_dir, rank=int(getattr(args, "process_index", 0)),
-                                         predicted=lambda: _common.predicted_snapshot(self.check))
+        rank = int(getattr(args, "process_index", 0))
+
+        def predicted():
+            with _hf_zero3_init_off():  # a distributed check traces its method again: plain modules
+                return _common.predicted_snapshot(self.check, rank=rank)
+
+        self.recorder = SnapshotRecorder(self.snapshot_dir, rank=rank, predicted=predicted)
         if getattr(args, "auto_find_batch_size", False):
             return  # its out-of-memory trials are the Trainer's to handle: no report per trial
         for owner, name in ((self._trainer, "training_step"), (self._optimizer, "step")):

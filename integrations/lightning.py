@@ -235,7 +235,7 @@ class _Decision:
     candidate: Any = None
     prediction: Any = None
     notes: list[str] = field(default_factory=list)
-    snapshot: dict[str, Any] | None = None  # the predicted snapshot (snapshot_dir, one device)
+    snapshot: dict[str, Any] | None = None  # the predicted snapshot (snapshot_dir; this rank's)
     breakdown: dict[str, int] = field(default_factory=dict)  # predicted bytes per category at the peak
 
 
@@ -472,12 +472,13 @@ class _AutoStrategyMixin:
         return decision
 
     @staticmethod
-    def _snapshot_of(checked: Any) -> dict[str, Any] | None:
-        """The check's predicted snapshot; a failure only warns (the decision stands)."""
+    def _snapshot_of(checked: Any, rank: int = 0) -> dict[str, Any] | None:
+        """The check's predicted snapshot (``rank``'s, for a distributed method); a failure only warns
+        (the decision stands)."""
         from llmem_plugin.integrations import _common
 
         try:
-            return _common.predicted_snapshot(checked)
+            return _common.predicted_snapshot(checked, rank=rank)
         except Exception as e:  # noqa: BLE001 - the snapshot is extra; the job goes on
             warnings.warn(f"llmem-auto: no predicted snapshot ({type(e).__name__}: {e})", stacklevel=3)
             return None
@@ -550,7 +551,7 @@ class _AutoStrategyMixin:
                                   micro_batch=wl.micro_batch_size, grad_checkpointing=wl.grad_checkpointing)
             method, tp = plan.choice.method, plan.choice.tp
         name, options = _CHECK_AS.get(method, (method, None))
-        keep = self.snapshot_dir is not None and name == "single" and world == 1
+        keep = self.snapshot_dir is not None
         checked = _common.check(live, wl, method=name, num_gpus=world, num_nodes=num_nodes, tp=tp, gpu=gpu,
                                 gpu_memory=memory, margin=self.margin, options=options, keep_trace=keep)
         if plan is None and not checked.fits:
@@ -559,7 +560,7 @@ class _AutoStrategyMixin:
         report = _report(plan) if plan is not None else checked.report
         breakdown = getattr(getattr(checked.estimate, "worst", checked.estimate), "breakdown", {})
         return _Decision(method, tp=tp, plan=plan, candidate=plan.choice if plan else None, prediction=checked.prediction, report=report,
-                         snapshot=self._snapshot_of(checked) if keep else None,
+                         snapshot=self._snapshot_of(checked, self.global_rank) if keep else None,
                          breakdown={getattr(k, "value", k): v for k, v in breakdown.items()},
                          message=f"{why}; {checked.message()}" + "".join(f"; {n}" for n in inputs["notes"]),
                          notes=inputs["notes"])
@@ -892,7 +893,7 @@ Args:
     tolerance_pct: Warn when the error exceeds it (default: the README target).
     snapshot_dir: Record the real allocator history of the first steps (until
         the comparison, at least step 2) and write it there with the predicted
-        snapshot (one device) and their comparison; on a CUDA out-of-memory
+        snapshot (this rank's) and their comparison; on a CUDA out-of-memory
         error, write them and print the predicted breakdown, and Lightning
         raises the error on (:mod:`llmem_plugin.integrations._snapshots`). Off
         by default: recording slows every allocation.
