@@ -177,7 +177,8 @@ def _split_copy_metadata_numel(args: tuple, kwargs: dict, num_sms: int, max_thre
     ``num_sms * max_threads_per_sm / 128 * 2`` blocks.
     """
     x = args[0]
-    sizes = list(args[1] if len(args) > 1 else kwargs["split_sizes"])
+    sizes = list(args[1] if len(args) > 1 else
+                 kwargs.get("split_sizes", kwargs.get("all_gather_input_split_sizes", ())))
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     out = kwargs.get("out") or (args[3] if len(args) > 3 else None)
     if not isinstance(x, torch.Tensor) or not out or x.dim() == 0:
