@@ -32,7 +32,7 @@ CASES = (
 )
 
 
-def _free_runs_as_sets(entries: list) -> list:
+def free_runs_as_sets(entries: list) -> list:
     """``entries`` with each run of consecutive (free_requested, free_completed) pairs in one order: where
     an autocast region exits, torch frees its cached casts in the order of a C++ hash map keyed by host
     pointers (autocast_mode.cpp ``cached_casts``), which no trace can know."""
@@ -50,7 +50,7 @@ def _free_runs_as_sets(entries: list) -> list:
     return out
 
 
-def _segments(snap) -> list:
+def segments_in_use(snap) -> list:
     """Each segment's pool and size, and the blocks in use (pool, size, state), as sorted lists."""
     return [sorted((s["segment_type"], s["total_size"]) for s in snap["segments"]),
             sorted((s["segment_type"], b["size"], b["state"]) for s in snap["segments"] for b in s["blocks"]
@@ -84,8 +84,8 @@ def compare_case(row: dict, real: dict) -> dict:
         "entries_in_equal_runs": sum(i2 - i1 for tag, i1, i2, _, _ in ops if tag == "equal"),
         "differing_stretches": sum(1 for tag, *_ in ops if tag != "equal"),
         "identical": a == b,
-        "identical_up_to_free_runs": _free_runs_as_sets(a) == _free_runs_as_sets(b),
-        "segments_and_blocks_in_use_equal": _segments(pred) == _segments(real),
+        "identical_up_to_free_runs": free_runs_as_sets(a) == free_runs_as_sets(b),
+        "segments_and_blocks_in_use_equal": segments_in_use(pred) == segments_in_use(real),
     }
 
 

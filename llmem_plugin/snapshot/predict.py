@@ -24,8 +24,10 @@ What differs from a real snapshot, by design:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,6 +257,20 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
     }
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a history's tens of thousands of entries are built: they
+    hold no cycles, and in a process that holds a trace a full collection takes 0.3 s (8B: about half
+    of the builds met one; benchmarks/results/snapshot-cost-2026-12-07.md)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def snapshot_of(est: Estimate, *, after_load: bool = False) -> dict[str, Any]:
     """The predicted snapshot of an estimate made with ``keep_trace=True``.
 
@@ -280,8 +296,9 @@ def snapshot_of(est: Estimate, *, after_load: bool = False) -> dict[str, Any]:
             "peak_allocated_bytes": est.peak_allocated_bytes, "peak_reserved_bytes": est.peak_reserved_bytes,
             "device_total_bytes": est.device_total_bytes, "capacity_bytes": est.capacity_bytes, "fits": est.fits,
             "outside_allocator_bytes": est.overheads.outside_allocator_bytes}
-    return _verdict_snapshot(est.trace, est.alloc_config, est.overheads, est.capacity_bytes, start=start,
-                             metadata=meta)
+    with _collector_paused():
+        return _verdict_snapshot(est.trace, est.alloc_config, est.overheads, est.capacity_bytes, start=start,
+                                 metadata=meta)
 
 
 def _verdict_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: DeviceOverheads, capacity: int, *,
@@ -327,20 +344,26 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
                 "capacity_bytes": target.capacity_bytes,
                 "outside_allocator_bytes": kw["overheads"].outside_allocator_bytes}
         start = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if after_load else None
-        config = kw["alloc_conf"] or AllocatorConfig()
-        if not kw["streams"]:
-            out[kw["rank"]] = _verdict_snapshot(trace, config, kw["overheads"], target.capacity_bytes,
-                                                start=start, metadata=meta)
-            continue
-        snap = predicted_snapshot(trace, config, kw["overheads"], start=start, metadata=meta,
-                                  stream_of=dict(kw["streams"]))
-        if _peak_reserved(snap) + kw["overheads"].outside_allocator_bytes > target.capacity_bytes:
-            raise UnsupportedError(
-                f"--snapshot with --method {method}: rank {kw['rank']} does not fit on {target.name}, and where "
-                "the allocator of a rank with side streams runs out is not replayed per stream. HINT: write the "
-                "snapshot of a layout that fits (more GPUs, a smaller micro-batch), or use ddp, zero1/2/3 or tp")
-        out[kw["rank"]] = snap
+        with _collector_paused():
+            out[kw["rank"]] = _rank_snapshot(method, trace, kw, target, start=start, metadata=meta)
     return out
+
+
+def _rank_snapshot(method: str, trace: TraceResult, kw: dict[str, Any], target: Any, *, start: int | None,
+                   metadata: dict[str, Any]) -> dict[str, Any]:
+    """One traced rank's snapshot (:func:`method_snapshots`): the verdict's replay, or per stream."""
+    config = kw["alloc_conf"] or AllocatorConfig()
+    if not kw["streams"]:
+        return _verdict_snapshot(trace, config, kw["overheads"], target.capacity_bytes, start=start,
+                                 metadata=metadata)
+    snap = predicted_snapshot(trace, config, kw["overheads"], start=start, metadata=metadata,
+                              stream_of=dict(kw["streams"]))
+    if _peak_reserved(snap) + kw["overheads"].outside_allocator_bytes > target.capacity_bytes:
+        raise UnsupportedError(
+            f"--snapshot with --method {method}: rank {kw['rank']} does not fit on {target.name}, and where "
+            "the allocator of a rank with side streams runs out is not replayed per stream. HINT: write the "
+            "snapshot of a layout that fits (more GPUs, a smaller micro-batch), or use ddp, zero1/2/3 or tp")
+    return snap
 
 
 def _peak_reserved(snap: dict[str, Any]) -> int:

@@ -20,6 +20,7 @@ import pickle
 import pytest
 import torch.cuda._memory_viz as memory_viz
 
+from benchmarks.groundtruth.stub_snapshot import free_runs_as_sets, segments_in_use
 from llmem_plugin.device.allocator_config import AllocatorConfig
 from llmem_plugin.snapshot.compare import compare_snapshots
 from llmem_plugin.snapshot.history import load_snapshot, read_history
@@ -48,30 +49,6 @@ def _entries(snap) -> list[tuple[str, int, int]]:
     return [(e["action"], e["size"], e["stream"]) for e in snap["device_traces"][0] if e["action"] != "snapshot"]
 
 
-def _free_runs_as_sets(entries: list[tuple[str, int, int]]) -> list:
-    """``entries`` with each run of consecutive frees (free_requested, free_completed pairs) in one order."""
-    out, i = [], 0
-    while i < len(entries):
-        j = i
-        while j + 1 < len(entries) and entries[j][0] == "free_requested" and entries[j + 1][0] == "free_completed":
-            j += 2
-        if j > i:
-            out += sorted(entries[i:j][k:k + 2] for k in range(0, j - i, 2))
-            i = j
-        else:
-            out.append(entries[i])
-            i += 1
-    return out
-
-
-def _segments(snap):
-    """The end state: each segment's pool and size, and the blocks in use (pool, size, state), as multisets."""
-    segs = sorted((s["segment_type"], s["total_size"]) for s in snap["segments"])
-    used = sorted((s["segment_type"], b["size"], b["state"]) for s in snap["segments"] for b in s["blocks"]
-                  if b["state"] != "inactive")
-    return segs, used
-
-
 @pytest.fixture(scope="module")
 def real(stub, tmp_path_factory):
     folder = tmp_path_factory.mktemp("snapshots")
@@ -98,9 +75,9 @@ def test_the_predicted_history_is_the_stubs_event_for_event(real, case):
     assert len(a) == len(b) > 1000
     if case in CACHE_RELEASE_CASES:
         assert a != b  # the cache's release order differs (else this case needs no exception)
-        a, b = _free_runs_as_sets(a), _free_runs_as_sets(b)
+        a, b = free_runs_as_sets(a), free_runs_as_sets(b)
     assert a == b
-    assert _segments(pred) == _segments(snap)
+    assert segments_in_use(pred) == segments_in_use(snap)
     hp, hr = read_history(pred), read_history(snap)
     measured = row["measured"]
     assert hr.peak_allocated_bytes == measured["allocated_bytes"]  # the reader, on torch's own history
