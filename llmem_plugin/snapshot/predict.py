@@ -260,8 +260,8 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """The cyclic garbage collector off while a history's tens of thousands of entries are built: they
-    hold no cycles, and in a process that holds a trace a full collection takes 0.3 s (8B: about half
-    of the builds met one; benchmarks/results/snapshot-cost-2026-12-07.md)."""
+    hold no cycles, and in a process that holds a trace a full collection takes about 0.3 s; a due one
+    runs later, if at all (benchmarks/results/snapshot-cost-2026-12-07.md)."""
     was = gc.isenabled()
     gc.disable()
     try:
