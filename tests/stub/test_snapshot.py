@@ -35,7 +35,8 @@ CASES = (
     "tiny-llama-3.2-1b-bf16-mixed-s64-b2-sdpa",  # a dense bf16-mixed step
     "tiny-gpt2-bf16-mixed-s64-b2-lora-eager",  # LoRA
     "tiny4-llama-3.2-1b-bf16-s256-b4-lora-sdpa-nf4-kbit-off",  # QLoRA (bitsandbytes' nf4 on the stub)
-    "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-every2-sdpa",  # gradient checkpointing
+    "tiny4-llama-3.2-1b-bf16-mixed-s256-b4-gc-every2-sdpa",  # gradient checkpointing, every second layer
+    "tiny4-llama-3.2-1b-bf16-s256-b4-gc-reentrant-lora-sdpa",  # reentrant checkpointing with LoRA
     "tiny4-llama-3.2-1b-bf16-mixed-s256-b2-sdpa",  # the run `compare` is checked against
 )
 
