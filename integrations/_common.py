@@ -380,21 +380,20 @@ def check(live: LiveModel, workload: Workload, *, method: str = "single", num_gp
                  report=report_text(est, gpu=target), host_fits=host_fits)
 
 
-def predicted_snapshot(check: Check | None, *, rank: int = 0) -> dict[str, Any] | None:
-    """The predicted snapshot of a check made with ``keep_trace`` (None otherwise), its history from the
-    loaded weights on, as the adapters record the real one.
+def predicted_snapshots(check: Check | None, *, rank: int | None = None) -> dict[int, dict[str, Any]] | None:
+    """The predicted snapshots of a check made with ``keep_trace`` (None otherwise), by rank, their
+    histories from the loaded weights on, as the adapters record the real ones: ``{0: ...}`` for one GPU.
 
     A distributed check's method is traced again for its ranks' histories
-    (:func:`llmem_plugin.snapshot.predict.method_snapshots`): ``rank``'s own where it was traced, the one
-    traced rank's where the method traces one for all (its ranks are alike), else None (the method traces
-    several distinct ranks, and which one this rank is alike to is not reported).
+    (:func:`llmem_plugin.snapshot.predict.method_snapshots`, whose ``rank`` keeps one rank's: its own, or
+    the one traced rank's where the method traces one for all, or none).
     """
     if check is None:
         return None
     if getattr(check.estimate, "trace", None) is not None:
         from llmem_plugin.snapshot.predict import snapshot_of
 
-        return snapshot_of(check.estimate, after_load=True)
+        return {0: snapshot_of(check.estimate, after_load=True)}
     if check.method_call is None:
         return None
     from llmem_plugin.methods._fakepg import real_process_groups_set_aside
@@ -402,11 +401,24 @@ def predicted_snapshot(check: Check | None, *, rank: int = 0) -> dict[str, Any] 
 
     call = dict(check.method_call)
     with real_process_groups_set_aside():  # the job's groups, hidden while the fake one traces
-        snaps = method_snapshots(call.pop("method"), call.pop("model"), call.pop("workload"), after_load=True,
-                                 **call)
-    if rank in snaps:
-        return snaps[rank]
-    return next(iter(snaps.values())) if len(snaps) == 1 else None
+        return method_snapshots(call.pop("method"), call.pop("model"), call.pop("workload"), after_load=True,
+                                rank=rank, **call)
+
+
+def snapshot_for_rank(snapshots: dict[int, dict[str, Any]] | None, rank: int) -> dict[str, Any] | None:
+    """``rank``'s snapshot among :func:`predicted_snapshots`' (all ranks'): its own, or the only one where
+    the method traces one rank for all; else None."""
+    if not snapshots:
+        return None
+    if rank in snapshots:
+        return snapshots[rank]
+    return next(iter(snapshots.values())) if len(snapshots) == 1 else None
+
+
+def predicted_snapshot(check: Check | None, *, rank: int = 0) -> dict[str, Any] | None:
+    """``rank``'s predicted snapshot of a check made with ``keep_trace`` (:func:`predicted_snapshots`), or
+    None: no trace kept, or the method traces several distinct ranks and not this one."""
+    return snapshot_for_rank(predicted_snapshots(check, rank=rank), rank)
 
 
 def _live_adapters(live: LiveModel, workload: Workload) -> Workload:

@@ -235,7 +235,9 @@ class _Decision:
     candidate: Any = None
     prediction: Any = None
     notes: list[str] = field(default_factory=list)
-    snapshot: dict[str, Any] | None = None  # the predicted snapshot (snapshot_dir; this rank's)
+    # The predicted snapshots (snapshot_dir), by traced rank: each rank takes its own
+    # (_common.snapshot_for_rank), as rank 0 decides for all.
+    snapshots: dict[int, dict[str, Any]] | None = None
     breakdown: dict[str, int] = field(default_factory=dict)  # predicted bytes per category at the peak
 
 
@@ -472,13 +474,12 @@ class _AutoStrategyMixin:
         return decision
 
     @staticmethod
-    def _snapshot_of(checked: Any, rank: int = 0) -> dict[str, Any] | None:
-        """The check's predicted snapshot (``rank``'s, for a distributed method); a failure only warns
-        (the decision stands)."""
+    def _snapshots_of(checked: Any) -> dict[int, dict[str, Any]] | None:
+        """The check's predicted snapshots, by traced rank; a failure only warns (the decision stands)."""
         from llmem_plugin.integrations import _common
 
         try:
-            return _common.predicted_snapshot(checked, rank=rank)
+            return _common.predicted_snapshots(checked)
         except Exception as e:  # noqa: BLE001 - the snapshot is extra; the job goes on
             warnings.warn(f"llmem-auto: no predicted snapshot ({type(e).__name__}: {e})", stacklevel=3)
             return None
@@ -490,7 +491,7 @@ class _AutoStrategyMixin:
         try:
             checked = _common.check(inputs["live"], inputs["workload"], gpu=inputs["gpu"], gpu_memory=inputs["memory"],
                                     margin=self.margin, keep_trace=True)
-            decision.snapshot = _common.predicted_snapshot(checked)
+            decision.snapshots = _common.predicted_snapshots(checked)
             decision.breakdown = {c.value: v for c, v in checked.estimate.breakdown.items()}
         except Exception as e:  # noqa: BLE001 - the snapshot is extra; the job goes on
             warnings.warn(f"llmem-auto: no predicted snapshot ({type(e).__name__}: {e})", stacklevel=3)
@@ -560,7 +561,7 @@ class _AutoStrategyMixin:
         report = _report(plan) if plan is not None else checked.report
         breakdown = getattr(getattr(checked.estimate, "worst", checked.estimate), "breakdown", {})
         return _Decision(method, tp=tp, plan=plan, candidate=plan.choice if plan else None, prediction=checked.prediction, report=report,
-                         snapshot=self._snapshot_of(checked, self.global_rank) if keep else None,
+                         snapshots=self._snapshots_of(checked) if keep else None,
                          breakdown={getattr(k, "value", k): v for k, v in breakdown.items()},
                          message=f"{why}; {checked.message()}" + "".join(f"; {n}" for n in inputs["notes"]),
                          notes=inputs["notes"])
@@ -669,10 +670,12 @@ class _SnapshotMixin:
     and their comparison; on an out-of-memory error, the same, written before Lightning raises it on."""
 
     def __init__(self, decision: _Decision, folder: Any, steps: int, rank: int) -> None:
+        from llmem_plugin.integrations._common import snapshot_for_rank
         from llmem_plugin.integrations._snapshots import SnapshotRecorder
 
         self.steps = steps
-        self.recorder = SnapshotRecorder(folder, rank=rank, predicted=lambda: decision.snapshot,
+        self.recorder = SnapshotRecorder(folder, rank=rank,
+                                         predicted=lambda: snapshot_for_rank(decision.snapshots, rank),
                                          breakdown=decision.breakdown)
         self._started = False
 

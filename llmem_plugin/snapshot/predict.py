@@ -314,10 +314,13 @@ def _verdict_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: De
 
 
 def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu: Any, after_load: bool = False,
-                     **options: Any) -> dict[int, dict[str, Any]]:
+                     rank: int | None = None, **options: Any) -> dict[int, dict[str, Any]]:
     """The predicted snapshot of every rank a distributed method's estimate traces (its full trace, run
     again here), by rank; ranks the method reports as alike to a traced one have none of their own.
     ``after_load``: as for :func:`snapshot_of` (from the model's placement and wrapping on).
+    ``rank``: only that rank's, ``{rank: snapshot}``: its own where it was traced, the one traced rank's
+    where the method traces one for all (its ranks are alike), else ``{}`` (several distinct ranks are
+    traced and not this one: which one it is alike to is not reported).
 
     A rank whose wrapper allocates on side streams (FSDP2's all-gather and reduce-scatter streams,
     LowLevelZero's communication stream) gets one device trace whose entries and segments carry their
@@ -325,8 +328,8 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
     allocator as the estimate replays it.
 
     Raises:
-        UnsupportedError: A rank with side streams that does not fit: where the allocator would free
-            every stream's cache and retry, then run out, is not replayed per stream.
+        UnsupportedError: A rank with side streams whose streams together reserve more than the GPU
+            holds: where the allocator frees every stream's cache and retries is not replayed per stream.
         ConfigError, UnsupportedError: As :func:`llmem_plugin.methods.estimate_method`.
     """
     from llmem_plugin.device.gpus import get_gpu
@@ -336,8 +339,12 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
 
     with capture() as cap:
         estimate_method(method, model, workload, layout=layout, gpu=gpu, **options)
+    ranks = cap.ranks
+    if rank is not None:
+        own = [(trace, kw) for trace, kw in ranks if kw["rank"] == rank]
+        ranks = own or (ranks if len(ranks) == 1 else [])
     out = {}
-    for trace, kw in cap.ranks:
+    for trace, kw in ranks:
         target = kw["gpu"] if not isinstance(kw["gpu"], str) else get_gpu(kw["gpu"])
         meta = {"method": method, "rank": kw["rank"], "num_gpus": layout.num_gpus, "gpu": target.name,
                 "workload": workload.to_dict() if hasattr(workload, "to_dict") else dict(workload),
@@ -345,7 +352,8 @@ def method_snapshots(method: str, model: Any, workload: Any, *, layout: Any, gpu
                 "outside_allocator_bytes": kw["overheads"].outside_allocator_bytes}
         start = trace.marks.get(f"{LOADED_MARK}:{Phase.SETUP.value}") if after_load else None
         with _collector_paused():
-            out[kw["rank"]] = _rank_snapshot(method, trace, kw, target, start=start, metadata=meta)
+            out[kw["rank"] if rank is None else rank] = _rank_snapshot(method, trace, kw, target, start=start,
+                                                                       metadata=meta)
     return out
 
 
@@ -360,9 +368,10 @@ def _rank_snapshot(method: str, trace: TraceResult, kw: dict[str, Any], target: 
                               stream_of=dict(kw["streams"]))
     if _peak_reserved(snap) + kw["overheads"].outside_allocator_bytes > target.capacity_bytes:
         raise UnsupportedError(
-            f"--snapshot with --method {method}: rank {kw['rank']} does not fit on {target.name}, and where "
-            "the allocator of a rank with side streams runs out is not replayed per stream. HINT: write the "
-            "snapshot of a layout that fits (more GPUs, a smaller micro-batch), or use ddp, zero1/2/3 or tp")
+            f"--snapshot with --method {method}: rank {kw['rank']}'s streams together reserve more than "
+            f"{target.name} holds, where the allocator frees every stream's cache and retries (and may then "
+            "run out); that is not replayed per stream. HINT: write the snapshot of a layout with room "
+            "(more GPUs, a smaller micro-batch), or use ddp, zero1/2/3 or tp")
     return snap
 
 

@@ -148,9 +148,9 @@ def host_resident_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _is_torch_optimizer(optimizer: object) -> bool:
-    """One of torch.optim's own optimizers, whose ``torch.tensor`` constants stay on the host
-    (:meth:`llmem_plugin.trace.tracker.MemoryTracker.host_constants`)."""
-    return type(optimizer).__module__.startswith("torch.optim.")
+    """One of torch.optim's optimizers the trace models (make_optimizer's), whose steps make host
+    constants only (:meth:`llmem_plugin.trace.tracker.MemoryTracker.host_constants`)."""
+    return type(optimizer) in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adafactor)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

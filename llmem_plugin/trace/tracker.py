@@ -283,9 +283,10 @@ class MemoryTracker(TorchDispatchMode):
         """Inside the block, ``torch.tensor(...)`` constants are host memory (``HOST``).
 
         The trace runs on the CPU, so it cannot tell ``torch.tensor(1.0, device="cpu")`` from a
-        constant a real run makes on the GPU. torch.optim's steps (2.13) make host constants only:
-        the step counters' ``torch.tensor(1.0, device="cpu")`` increment (adam.py ``_multi_tensor_adam``,
-        _adafactor.py), which the stub CUDA device never sees.
+        constant a real run makes on the GPU. The steps of the optimizers the trace models (torch.optim
+        2.13's AdamW, Adam, SGD and Adafactor) make host constants only: the step counters and their
+        ``torch.tensor(1.0, device="cpu")`` increment (adam.py ``_multi_tensor_adam``, _adafactor.py),
+        which the stub CUDA device never sees. (ASGD, say, makes device ones: not modelled.)
         """
         before, self._host_constants = self._host_constants, True
         try:

@@ -30,6 +30,17 @@ def test_a_ddp_checks_predicted_snapshot_is_the_traced_ranks_for_every_rank():
         got = _common.predicted_snapshot(check, rank=rank)
         assert got["llmem"]["method"] == "ddp" and len(got["device_traces"][0]) > 100
         assert _entries(got) == _entries(traced)
+    assert list(_common.predicted_snapshots(check)) == [0]  # what Lightning's rank 0 hands every rank
     assert _common.predicted_snapshot(dataclasses.replace(check, method_call=None), rank=1) is None
     plain = _common.check(_common.live_model(model), wl, method="ddp", num_gpus=2, gpu=gpu)
     assert plain.method_call is None and _common.predicted_snapshot(plain) is None
+
+
+def test_a_rank_takes_its_own_snapshot_or_the_only_one():
+    """Where a method traces several distinct ranks, a rank not among them gets none (which one it is
+    alike to is not reported); where it traces one for all, every rank gets that one."""
+    own, other = {"rank": 0}, {"rank": 3}
+    assert _common.snapshot_for_rank({0: own, 3: other}, 3) is other
+    assert _common.snapshot_for_rank({0: own, 3: other}, 1) is None
+    assert _common.snapshot_for_rank({0: own}, 5) is own
+    assert _common.snapshot_for_rank(None, 0) is None and _common.snapshot_for_rank({}, 0) is None

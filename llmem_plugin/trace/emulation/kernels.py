@@ -202,11 +202,12 @@ def _split_copy_metadata_numel(args: tuple, kwargs: dict, num_sms: int, max_thre
 
 def _fused_dropout(args: tuple, kwargs: dict) -> bool:
     """Whether ``native_dropout(input, p, train)`` runs CUDA's fused kernel (``dropout_cuda``), not a
-    short-cut: train not False, 0 < p < 1, a non-empty input (Dropout.cu ``native_dropout_cuda``)."""
+    short-cut: train not False and p != 1 (Dropout.cu ``native_dropout_cuda``), a non-empty input
+    (``dropout_cuda`` returns a clone and the mask before its output for an empty one)."""
     x = args[0]
     p = args[1] if len(args) > 1 else kwargs.get("p")
     train = args[2] if len(args) > 2 else kwargs.get("train")
-    return (isinstance(x, torch.Tensor) and isinstance(p, (int, float)) and 0.0 < p < 1.0 and x.numel() > 0
+    return (isinstance(x, torch.Tensor) and isinstance(p, (int, float)) and 0.0 <= p < 1.0 and x.numel() > 0
             and train is not False)
 
 
@@ -243,9 +244,7 @@ def _cum_input_copy(x: torch.Tensor, out: object) -> torch.Tensor | None:
         return None
     if x.dim() == 0 or x.numel() == 0:
         return None
-    if is_non_overlapping_and_dense(x):
-        return torch.empty_strided(x.shape, x.stride(), dtype=out.dtype, device=x.device)
-    return torch.empty(x.shape, dtype=out.dtype, device=x.device)
+    return torch.empty_like(x, dtype=out.dtype)  # preserve_format, as ``to`` copies
 
 
 # Threads per multiprocessor where the table has no entry: sm90's.

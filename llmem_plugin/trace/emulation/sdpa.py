@@ -938,6 +938,9 @@ class _CudnnAttention(torch.autograd.Function):
         if _has_values(q):
             with untracked(), torch.autograd._unsafe_preserve_version_counter(o):
                 o.copy_(_reference(q, _heads_to(k, h), _heads_to(v, h), bias, is_causal, scale_, dropout_p, seed))
+        if not compute_lse:  # no graph (compute_lse is the grad mode's): the op's returned tuple dies in order
+            del stats, seed_t, offset_t
+            return o
         # ScaledDotProductCudnnAttentionBackward0::release_variables order (Functions.h).
         ctx.save_for_backward(bias, k, q, v, stats, o, offset_t, seed_t)
         ctx.args = (dropout_p, is_causal, scale_, seed)
