@@ -41,8 +41,8 @@ from llmem_plugin.errors import UnsupportedError
 from llmem_plugin.estimate import Estimate, allocator_events, trace_positions
 from llmem_plugin.trace.tracker import Phase, TraceResult
 
-__all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "method_snapshots", "predicted_snapshot", "replay_history", "snapshot_of",
-           "write_snapshot"]
+__all__ = ["PICKLE_PROTOCOL", "UNKNOWN", "method_snapshots", "predicted_snapshot", "replay_history",
+           "replay_stream_history", "snapshot_of", "write_snapshot"]
 
 # MemoryViz.js reads pickles with its own decoder, which knows protocols 2 to 4
 # (torch/utils/viz/MemoryViz.js, the `unpickle` function); torch's own
@@ -95,63 +95,46 @@ def replay_history(events: Sequence[tuple[int, int, int]], requested: Sequence[i
                    capacity_bytes: int | None = None, device_memory_bytes: int | None = None,
                    start: int | None = None) -> tuple[CachingAllocator, list[tuple[str, int, int, int]], list[int],
                                                       dict[int, int]]:
-    """Replay ``events`` with the allocator's history on.
-
-    Args:
-        events: ``(sign, key, bytes)``, as :func:`llmem_plugin.device.allocator.replay` takes them.
-        requested: Per event, the bytes the tensor asked for (the entry's size, as torch records it).
-        config: The allocator settings.
-        capacity_bytes: What cudaMalloc can hand out; None = unlimited.
-        device_memory_bytes: The device's memory (sizes expandable segments).
-        start: Before this event, ``torch.cuda.empty_cache()`` and then the
-            history starts (what a job records after loading); None: from the first event.
+    """Replay ``events`` on one stream with the allocator's history on (:func:`replay_stream_history`).
 
     Returns:
         The allocator at the end, its history (``(action, address, bytes, block bytes)``,
         :attr:`CachingAllocator.history`), the event each entry came from, and the key of every
         block live at the end, by address.
     """
-    alloc = CachingAllocator(config, capacity_bytes=capacity_bytes, device_memory_bytes=device_memory_bytes)
-    alloc.history = [] if start is None else None
-    owner: list[int] = []
-    handles: dict[int, int] = {}
-    for i, (sign, key, nbytes) in enumerate(events):
-        if i == start:
-            alloc.empty_cache()
-            alloc.history = []
-        before = len(alloc.history) if alloc.history is not None else 0
-        if sign > 0:
-            if nbytes > 0:  # zero-byte tensors get a null pointer, no block
-                try:
-                    handles[key] = alloc.malloc(requested[i])
-                except SimulatedOOM:
-                    if alloc.history is None:  # out of memory before the history starts: it holds the oom alone
-                        size = alloc.round_size(requested[i])
-                        alloc.history, before = [("oom", 0, size, size)], 0
-                    owner.extend([i] * (len(alloc.history) - before))
-                    break
-        else:
-            h = handles.pop(key, None)
-            if h is not None:
-                alloc.free(h)
-        if alloc.history is not None:
-            owner.extend([i] * (len(alloc.history) - before))
-    return alloc, alloc.history or [], owner, {addr: key for key, addr in handles.items()}
+    allocators, history, owner, live = replay_stream_history(
+        events, requested, config, capacity_bytes=capacity_bytes, device_memory_bytes=device_memory_bytes,
+        start=start)
+    return allocators[0], [entry[1:] for entry in history], owner, live
 
 
-def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Sequence[int],
-                          stream_of: dict[int, int], config: AllocatorConfig, *, start: int | None = None
+def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Sequence[int], config: AllocatorConfig,
+                          *, stream_of: dict[int, int] | None = None, capacity_bytes: int | None = None,
+                          device_memory_bytes: int | None = None, start: int | None = None
                           ) -> tuple[dict[int, CachingAllocator], list[tuple[int, str, int, int, int]], list[int],
                                      dict[int, int]]:
-    """:func:`replay_history` for a rank that allocates on side streams: one allocator per stream
-    (:mod:`llmem_plugin.methods._streams`: each stream's pool serves only its own requests), each in its
-    own range of addresses; a free goes to its allocation's stream. No capacity: the per-stream replay
-    has none (:func:`method_snapshots` refuses a rank that does not fit).
+    """Replay ``events`` with the allocators' history on.
+
+    Args:
+        events: ``(sign, key, bytes)``, as :func:`llmem_plugin.device.allocator.replay` takes them.
+        requested: Per event, the bytes the tensor asked for (the entry's size, as torch records it).
+        config: The allocator settings.
+        stream_of: Key -> side stream, for a rank that allocates on side streams: one allocator per
+            stream (:mod:`llmem_plugin.methods._streams`: each stream's pool serves only its own
+            requests), each in its own range of addresses; a free goes to its allocation's stream.
+        capacity_bytes: What cudaMalloc can hand out; None = unlimited. One stream only: the per-stream
+            replay has no capacity (:func:`method_snapshots` refuses a rank that needs one).
+        device_memory_bytes: The device's memory (sizes expandable segments).
+        start: Before this event, ``torch.cuda.empty_cache()`` and then the
+            history starts (what a job records after loading); None: from the first event.
 
     Returns:
         The allocators by stream, the merged history as ``(stream, action, address, bytes, block
-        bytes)``, the event each entry came from, and the key of every block live at the end, by address.
+        bytes)`` (out of memory: an ``oom`` entry ends it, the only one where that comes before
+        ``start``), the event each entry came from, and the key of every block live at the end, by address.
     """
+    assert not (stream_of and capacity_bytes is not None), "a capacity is replayed on one stream only"
+    stream_of = stream_of or {}
     allocators: dict[int, CachingAllocator] = {}
     history: list[tuple[int, str, int, int, int]] = []
     owner: list[int] = []
@@ -161,9 +144,16 @@ def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Seq
     def allocator(stream: int) -> CachingAllocator:
         alloc = allocators.get(stream)
         if alloc is None:
-            alloc = allocators[stream] = CachingAllocator(config, address_space=stream)
+            alloc = allocators[stream] = CachingAllocator(config, capacity_bytes=capacity_bytes,
+                                                          device_memory_bytes=device_memory_bytes,
+                                                          address_space=stream)
             alloc.history = [] if recording else None
         return alloc
+
+    def record(stream: int, alloc: CachingAllocator, i: int) -> None:
+        history.extend((stream, *entry) for entry in alloc.history)
+        owner.extend([i] * len(alloc.history))
+        alloc.history.clear()
 
     allocator(0)
     for i, (sign, key, nbytes) in enumerate(events):
@@ -177,7 +167,14 @@ def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Seq
                 continue
             stream = stream_of.get(key, 0)
             alloc = allocator(stream)
-            handles[key] = (stream, alloc.malloc(requested[i]))
+            try:
+                handles[key] = (stream, alloc.malloc(requested[i]))
+            except SimulatedOOM:
+                if not recording:  # out of memory before the history starts: it holds the oom alone
+                    size = alloc.round_size(requested[i])
+                    alloc.history = [("oom", 0, size, size)]
+                record(stream, alloc, i)
+                break
         else:
             held = handles.pop(key, None)
             if held is None:
@@ -185,9 +182,7 @@ def replay_stream_history(events: Sequence[tuple[int, int, int]], requested: Seq
             stream, alloc = held[0], allocators[held[0]]
             alloc.free(held[1])
         if recording:
-            history.extend((stream, *entry) for entry in alloc.history)
-            owner.extend([i] * len(alloc.history))
-            alloc.history.clear()
+            record(stream, alloc, i)
     return allocators, history, owner, {addr: key for key, (_, addr) in handles.items()}
 
 
@@ -219,12 +214,9 @@ def predicted_snapshot(trace: TraceResult, config: AllocatorConfig, overheads: D
     requested = [(recs.requested[key] if recs is not None and 0 <= key < len(recs) else nbytes) if sign > 0 else 0
                  for sign, key, nbytes in events]
     begin = None if start is None else trace_positions(events)[start]  # workspaces inserted before it
-    if stream_of:
-        allocators, history, owner, live = replay_stream_history(events, requested, stream_of, config, start=begin)
-    else:
-        alloc, single, owner, live = replay_history(events, requested, config, capacity_bytes=capacity_bytes,
-                                                    device_memory_bytes=device_memory_bytes, start=begin)
-        allocators, history = {0: alloc}, [(0, *entry) for entry in single]
+    allocators, history, owner, live = replay_stream_history(
+        events, requested, config, stream_of=stream_of, capacity_bytes=capacity_bytes,
+        device_memory_bytes=device_memory_bytes, start=begin)
     frames = _Frames(trace)
     entries = []
     of, tensor_actions = frames.of, ("alloc", "free_requested", "free_completed", "oom")
