@@ -104,7 +104,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     Returns:
         0 when it fits, ``EXIT_WONT_FIT`` when the GPU or the node's host RAM is too small.
     """
-    from llmem_plugin.errors import ConfigError
+    from llmem_plugin.errors import ConfigError, UnsupportedError
 
     if args.deepspeed_config is not None:
         _deepspeed_args(args)
@@ -118,6 +118,9 @@ def estimate_command(args: argparse.Namespace) -> int:
                               "ranks, or drop --method/--gpus/--tp/--nodes/--offload")
         if args.snapshot and args.method in (None, "all"):
             raise ConfigError("--snapshot writes one method's ranks. HINT: name one --method (ddp, zero3, ...)")
+        if args.snapshot and args.method.startswith("pp"):
+            raise UnsupportedError(f"--snapshot with --method {args.method}: a pipeline schedule's stages are not "
+                                   "written as snapshots yet. HINT: drop --snapshot, or use `llmem plan --html`")
         if args.method is None:  # a cluster without a method: compare them all
             args.method = "all"
         return _methods_command(args)
@@ -436,11 +439,6 @@ def _write_rank_snapshots(args: argparse.Namespace, layout, wl, gpu, options: di
 
     from llmem_plugin.snapshot.predict import method_snapshots, write_snapshot
 
-    from llmem_plugin.errors import UnsupportedError
-
-    if args.method.startswith("pp"):
-        raise UnsupportedError(f"--snapshot with --method {args.method}: a pipeline schedule's stages are not "
-                               "written as snapshots yet. HINT: drop --snapshot, or use `llmem plan --html`")
     extra = {"sequence_parallel": True} if args.sequence_parallel and args.method in _TP_METHODS else {}
     path = Path(args.snapshot)
     snaps = method_snapshots(args.method, args.model, wl, layout=layout, gpu=gpu, alloc_conf=args.alloc_conf,

@@ -88,3 +88,18 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_trace(tmp_p
                              ("--snapshot", tmp_path / "missing" / "p.pickle", "does not exist")):
         code, _, err = run(capsys, "estimate", "--model", TINY, flag, str(path))
         assert code == EXIT_BAD_INPUT and said in err and "Traceback" not in err
+
+
+def test_a_pipeline_snapshot_is_refused_before_the_trace(tmp_path, capsys, monkeypatch):
+    """A pipeline schedule's ranks have no snapshot: one line, exit 2, and no estimate run first."""
+    from llmem_plugin.cli import estimate as cli_estimate
+    from llmem_plugin.cli.options import EXIT_BAD_INPUT
+
+    def traced(*a, **k):
+        raise AssertionError("the methods were estimated before the refusal")
+
+    monkeypatch.setattr(cli_estimate, "_estimate_methods", traced)
+    code, out, err = run(capsys, "estimate", "--model", TINY, "--method", "pp", "--gpus", "2", "--pp", "2",
+                         "--precision", "bf16", "--snapshot", str(tmp_path / "p.pickle"))
+    assert code == EXIT_BAD_INPUT and "pipeline schedule" in err and "HINT:" in err and "Traceback" not in err
+    assert out == "" and not list(tmp_path.iterdir())
